@@ -1,0 +1,341 @@
+"""The op surface of gafused and its backend dispatch.
+
+Four in-place ops over a FlatGradBuffer, one contract each (DESIGN.md section 2), implemented by every
+backend (``reference``, ``triton``, ``cuda``):
+
+- ``fold_``: acc[seg] = (0 if first else acc[seg]) + weight * grad, math in the buffer's dtype;
+  a missing grad (None) contributes zero.
+- ``fold_finish_``: ``fold_``, then every segment *= scale, returning the sum of squares of the result
+  and a non-finite flag, all in the same pass where the backend can fuse it.
+- ``sum_of_squares`` / ``norm``: deterministic reductions, global (0-d) or per segment.
+- ``scale_``: every segment *= coef, in place, or written cast into ``out`` (a flat tensor with the
+  buffer's layout, e.g. bf16 gradients the inner optimizer reads).
+
+Scalars (weight, scale, coef) may be Python numbers or 0-d tensors; tensors stay on the device, so no op
+here synchronizes with the host. Alignment padding between segments is never read or written.
+
+Each op is registered with ``torch.library.custom_op`` (namespace ``gafused``) so a compiled training step
+can call it; the backend is an argument of the op, resolved here from ``"auto"`` before dispatch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from gafused.buffer import FlatGradBuffer
+
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "backend_unavailable_reason",
+    "fold_",
+    "fold_finish_",
+    "norm",
+    "resolve_backend",
+    "scale_",
+    "sum_of_squares",
+]
+
+BACKENDS = ("reference", "triton", "cuda")
+ENV_BACKEND = "GAFUSED_BACKEND"
+
+_MODULES = {
+    "reference": "gafused.reference",
+    "triton": "gafused.triton_backend",
+    "cuda": "gafused.cuda_backend",
+}
+INSTALL_HINTS = {
+    "reference": "",
+    "triton": "pip install triton  (needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 for CPU tensors)",
+    "cuda": (
+        "GAFUSED_FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .  "
+        "(from a gafused checkout, on a machine with CUDA torch and nvcc)"
+    ),
+}
+
+_loaded: dict[str, ModuleType] = {}
+_import_errors: dict[str, BaseException] = {}
+
+
+def _load(name: str) -> ModuleType | None:
+    """Import a backend module once; remember the import error so it can be reported when asked for."""
+    if name in _loaded:
+        return _loaded[name]
+    if name in _import_errors:
+        return None
+    try:
+        module = importlib.import_module(_MODULES[name])
+    except Exception as error:  # noqa: BLE001 - any import failure makes the backend unavailable; kept for the report
+        _import_errors[name] = error
+        return None
+    _loaded[name] = module
+    return module
+
+
+def backend_unavailable_reason(name: str, device: torch.device | str) -> str | None:
+    """Why backend ``name`` cannot run on ``device`` (None when it can)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {name!r}")
+    device = torch.device(device)
+    module = _load(name)
+    if module is None:
+        return f"gafused backend {name!r} failed to import: {_import_errors[name]!r}"
+    reason = getattr(module, "unavailable_reason", None)
+    return reason(device) if reason is not None else None
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends that can run on ``device`` (default: the current CUDA device if there is one, else CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [name for name in BACKENDS if backend_unavailable_reason(name, device) is None]
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Turn ``backend`` (``"auto"`` or a name) into the backend that will run on ``device``.
+
+    ``"auto"`` takes ``$GAFUSED_BACKEND`` when set; otherwise it picks cuda, then triton, then reference for
+    GPU tensors (warning when it ends on reference) and reference for CPU tensors. A named backend that
+    cannot run raises RuntimeError with the reason and the command that installs it.
+    """
+    device = torch.device(device)
+    if backend == "auto":
+        forced = os.environ.get(ENV_BACKEND, "").strip()
+        if forced:
+            if forced not in BACKENDS:
+                raise ValueError(f"${ENV_BACKEND} must be one of {BACKENDS}, got {forced!r}")
+            backend = forced
+        elif device.type == "cuda":
+            for candidate in ("cuda", "triton"):
+                if backend_unavailable_reason(candidate, device) is None:
+                    return candidate
+            warnings.warn(
+                f"gafused: no fused backend can run on {device}; using the reference backend "
+                f"(cuda: {backend_unavailable_reason('cuda', device)}; "
+                f"triton: {backend_unavailable_reason('triton', device)})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return "reference"
+        else:
+            return "reference"
+    reason = backend_unavailable_reason(backend, device)
+    if reason is not None:
+        raise RuntimeError(f"{reason}. To install it: {INSTALL_HINTS[backend]}")
+    return backend
+
+
+def _module(backend: str) -> ModuleType:
+    module = _load(backend)
+    if module is None:
+        raise RuntimeError(
+            f"gafused backend {backend!r} failed to import: {_import_errors[backend]!r}. "
+            f"To install it: {INSTALL_HINTS[backend]}"
+        )
+    return module
+
+
+# --- torch.library registration -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gafused::fold_", mutates_args=("acc",))
+def _fold_op(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    first: bool,
+    backend: str,
+) -> None:
+    _module(backend).fold_(acc, grads, offsets, numels, weight, first)
+
+
+@torch.library.custom_op("gafused::fold_finish_", mutates_args=("acc",))
+def _fold_finish_op(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    first: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _module(backend).fold_finish_(acc, grads, offsets, numels, weight, scale, first)
+
+
+@_fold_finish_op.register_fake
+def _(acc, grads, offsets, numels, weight, scale, first, backend):
+    return acc.new_empty(()), torch.empty((), dtype=torch.bool, device=acc.device)
+
+
+@torch.library.custom_op("gafused::sum_of_squares", mutates_args=())
+def _sum_of_squares_op(
+    acc: torch.Tensor, offsets: list[int], numels: list[int], per_segment: bool, backend: str
+) -> torch.Tensor:
+    return _module(backend).sum_of_squares(acc, offsets, numels, per_segment)
+
+
+@_sum_of_squares_op.register_fake
+def _(acc, offsets, numels, per_segment, backend):
+    return acc.new_empty((len(offsets),) if per_segment else ())
+
+
+@torch.library.custom_op("gafused::scale_", mutates_args=("acc", "out"))
+def _scale_op(
+    acc: torch.Tensor,
+    offsets: list[int],
+    numels: list[int],
+    coef: torch.Tensor,
+    out: torch.Tensor | None,
+    backend: str,
+) -> None:
+    _module(backend).scale_(acc, offsets, numels, coef, out)
+
+
+# --- public ops -----------------------------------------------------------------------------------------
+
+
+def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> torch.Tensor:
+    """A 0-d tensor on the buffer's device in its dtype; device tensors are moved without a host sync."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
+        if value.is_complex() or not (value.is_floating_point() or value.dtype in _INTEGER_DTYPES):
+            raise ValueError(f"{name} must be a real number, got dtype {value.dtype}")
+        return value.to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a Python number or a 0-d tensor, got {type(value).__name__}")
+    return torch.full((), value, dtype=buffer.accum_dtype, device=buffer.device)
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _check_grads(buffer: FlatGradBuffer, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    grads = list(grads)
+    if len(grads) != len(buffer):
+        raise ValueError(f"grads must hold one entry per buffer segment ({len(buffer)}), got {len(grads)}")
+    checked: list[torch.Tensor | None] = []
+    for index, grad in enumerate(grads):
+        if grad is None:
+            checked.append(None)
+            continue
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"grads[{index}] must be a tensor or None, got {type(grad).__name__}")
+        if grad.layout != torch.strided:
+            raise ValueError(f"grads[{index}] must be a dense (strided) tensor, got layout {grad.layout}")
+        if grad.is_complex() or not grad.is_floating_point():
+            raise ValueError(f"grads[{index}] must be a real floating-point tensor, got dtype {grad.dtype}")
+        if grad.device != buffer.device:
+            raise ValueError(f"grads[{index}] is on {grad.device}, the buffer on {buffer.device}")
+        if grad.numel() != buffer.numels[index]:
+            raise ValueError(f"grads[{index}] has {grad.numel()} elements, its segment {buffer.numels[index]}")
+        checked.append(grad if grad.is_contiguous() else grad.contiguous())
+    return checked
+
+
+def fold_(
+    buffer: FlatGradBuffer,
+    grads: Sequence[torch.Tensor | None],
+    weight: float | torch.Tensor = 1.0,
+    *,
+    first: bool,
+    backend: str = "auto",
+) -> None:
+    """Fold one micro-batch into the buffer: acc[seg] = (0 if first else acc[seg]) + weight * grads[seg].
+
+    Args:
+        buffer: the accumulation buffer.
+        grads: one gradient (any float dtype, the segment's number of elements) or None per segment.
+        weight: the micro-batch weight, a number or a 0-d tensor (stays on the device).
+        first: the first micro-batch of a window overwrites instead of adding (no zeroing pass needed).
+        backend: ``"auto"`` or a name from ``BACKENDS``.
+    """
+    checked = _check_grads(buffer, grads)
+    w = _scalar(weight, "weight", buffer)
+    name = resolve_backend(backend, buffer.device)
+    _fold_op(buffer.data, checked, buffer.offsets, buffer.numels, w, first, name)
+
+
+def fold_finish_(
+    buffer: FlatGradBuffer,
+    grads: Sequence[torch.Tensor | None],
+    weight: float | torch.Tensor,
+    scale: float | torch.Tensor,
+    *,
+    first: bool,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the last micro-batch, multiply every segment by ``scale``, and measure the result.
+
+    Args:
+        buffer: the accumulation buffer.
+        grads: as in ``fold_``.
+        weight: as in ``fold_``.
+        scale: the window scale (1 / sum of weights), a number or 0-d tensor.
+        first: as in ``fold_`` (a window of one micro-batch).
+        backend: ``"auto"`` or a name from ``BACKENDS``.
+
+    Returns:
+        (sum of squares of the finished segments as a 0-d tensor of the buffer's dtype,
+        0-d bool tensor: any finished element is inf or nan), both on the buffer's device.
+    """
+    checked = _check_grads(buffer, grads)
+    w = _scalar(weight, "weight", buffer)
+    s = _scalar(scale, "scale", buffer)
+    name = resolve_backend(backend, buffer.device)
+    return _fold_finish_op(buffer.data, checked, buffer.offsets, buffer.numels, w, s, first, name)
+
+
+def sum_of_squares(buffer: FlatGradBuffer, *, per_segment: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Deterministic sum of squares of the buffer (0-d) or of each segment (shape [segments]).
+
+    Args:
+        buffer: the accumulation buffer.
+        per_segment: one value per segment instead of the total.
+        backend: ``"auto"`` or a name from ``BACKENDS``.
+    """
+    name = resolve_backend(backend, buffer.device)
+    return _sum_of_squares_op(buffer.data, buffer.offsets, buffer.numels, per_segment, name)
+
+
+def norm(buffer: FlatGradBuffer, *, per_segment: bool = False, backend: str = "auto") -> torch.Tensor:
+    """L2 norm of the buffer (0-d) or of each segment: the square root of ``sum_of_squares``."""
+    return sum_of_squares(buffer, per_segment=per_segment, backend=backend).sqrt()
+
+
+def scale_(
+    buffer: FlatGradBuffer,
+    coef: float | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Multiply every segment by ``coef``: in place, or written cast into ``out``.
+
+    Args:
+        buffer: the accumulation buffer.
+        coef: a number or 0-d tensor (e.g. the clip coefficient, kept on the device).
+        out: optional flat tensor with the buffer's layout (same numel and device, any float dtype);
+            when given, the buffer is left as it is and ``out[seg] = (acc[seg] * coef).to(out.dtype)``.
+        backend: ``"auto"`` or a name from ``BACKENDS``.
+    """
+    c = _scalar(coef, "coef", buffer)
+    if out is not None:
+        if out.dim() != 1 or out.numel() != buffer.numel or out.device != buffer.device:
+            raise ValueError(
+                f"out must be a flat tensor of {buffer.numel} elements on {buffer.device}, "
+                f"got shape {tuple(out.shape)} on {out.device}"
+            )
+        if not out.is_floating_point() or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous floating-point tensor, got dtype {out.dtype}")
+    name = resolve_backend(backend, buffer.device)
+    _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)

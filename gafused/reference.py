@@ -1,0 +1,96 @@
+"""Reference backend: the contracts of gafused.ops in plain PyTorch.
+
+This is the oracle every other backend is tested against and the backend that runs on CPU. It is written
+for clarity, one segment at a time; speed is the other backends' job. Every function works on a flat
+accumulation tensor ``acc`` and its layout (``offsets``, ``numels``): segment ``i`` is
+``acc[offsets[i] : offsets[i] + numels[i]]``. Elements outside segments (alignment padding) are never
+read or written.
+
+Math happens in ``acc.dtype`` (float32, or float64 for float64 buffers): gradients are upcast before
+they are weighted, whatever their own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fold_", "fold_finish_", "sum_of_squares", "scale_"]
+
+
+def _segments(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
+    return [acc[start : start + numel] for start, numel in zip(offsets, numels, strict=True)]
+
+
+def fold_(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    first: bool,
+) -> None:
+    """acc[seg] = (0 if first else acc[seg]) + weight * grads[i]; a missing grad contributes zero."""
+    w = weight.to(acc.dtype)
+    for segment, grad in zip(_segments(acc, offsets, numels), grads, strict=True):
+        if grad is None:
+            if first:
+                segment.zero_()
+            continue
+        contribution = grad.reshape(-1).to(acc.dtype) * w
+        if first:
+            segment.copy_(contribution)
+        else:
+            segment.add_(contribution)
+
+
+def fold_finish_(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold_``, then every segment *= scale; returns (sum of squares, any non-finite) of the result.
+
+    The sum of squares has ``acc.dtype`` and the flag is a 0-d bool tensor, both on ``acc``'s device.
+    """
+    fold_(acc, grads, offsets, numels, weight, first)
+    s = scale.to(acc.dtype)
+    segments = _segments(acc, offsets, numels)
+    for segment in segments:
+        segment.mul_(s)
+    return _sum_of_squares_and_flag(segments, acc)
+
+
+def _sum_of_squares_and_flag(segments: list[torch.Tensor], acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not segments:
+        return acc.new_zeros(()), torch.zeros((), dtype=torch.bool, device=acc.device)
+    per_segment = torch.stack([segment.square().sum() for segment in segments])
+    nonfinite = torch.stack([(~torch.isfinite(segment)).any() for segment in segments]).any()
+    return per_segment.sum(), nonfinite
+
+
+def sum_of_squares(acc: torch.Tensor, offsets: list[int], numels: list[int], per_segment: bool) -> torch.Tensor:
+    """Sum of squares of all segments (0-d), or of each segment (shape [len(offsets)]), in ``acc.dtype``."""
+    values = [segment.square().sum() for segment in _segments(acc, offsets, numels)]
+    stacked = torch.stack(values) if values else acc.new_zeros((0,))
+    return stacked if per_segment else stacked.sum()
+
+
+def scale_(
+    acc: torch.Tensor,
+    offsets: list[int],
+    numels: list[int],
+    coef: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Every segment times ``coef``, written into ``out`` (cast to its dtype) or, when ``out`` is None, into acc."""
+    c = coef.to(acc.dtype)
+    if out is None:
+        for segment in _segments(acc, offsets, numels):
+            segment.mul_(c)
+        return
+    for source, target in zip(_segments(acc, offsets, numels), _segments(out, offsets, numels), strict=True):
+        target.copy_(source * c)

@@ -1,0 +1,58 @@
+"""Build script: the Python package always; the CUDA extension gafused._C only where CUDA can build it.
+
+Environment switches:
+    GAFUSED_SKIP_CUDA_BUILD=1   never build the extension (pure Python install: triton + reference).
+    GAFUSED_FORCE_CUDA=1        build it even when no GPU is visible (needs CUDA torch and nvcc).
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cuda_build() -> tuple[list, dict]:
+    """Extension modules and build commands for gafused._C, or nothing when CUDA cannot build it here."""
+    if _flag("GAFUSED_SKIP_CUDA_BUILD"):
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        if _flag("GAFUSED_FORCE_CUDA"):
+            raise RuntimeError("GAFUSED_FORCE_CUDA=1 but torch is not importable in the build environment") from None
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        if _flag("GAFUSED_FORCE_CUDA"):
+            raise RuntimeError(
+                f"GAFUSED_FORCE_CUDA=1 needs a CUDA build of torch and nvcc; found torch {torch.__version__} "
+                f"(CUDA {torch.version.cuda}) and CUDA_HOME={CUDA_HOME}"
+            )
+        return [], {}
+    if not torch.cuda.is_available() and not _flag("GAFUSED_FORCE_CUDA"):
+        return [], {}
+    return [], {}
+
+
+ext_modules, cmdclass = _cuda_build()
+
+setup(
+    name="gafused",
+    version="0.1.0",
+    description="Fused, correctly scaled gradient accumulation for PyTorch",
+    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["gafused", "gafused.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": ["pytest", "ruff", "transformers"],
+        "bench": ["matplotlib"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,524 @@
+"""GradAccumulator against first principles: one big batch per step, in float64.
+
+Every test runs for each backend that can run here (the Triton backend through its interpreter on CPU).
+"""
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+import gafused
+from gafused import GradAccumulator
+
+
+def _model(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(dtype)
+
+
+def _data(sizes, dtype=torch.float64, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 5, generator=generator, dtype=dtype), torch.randn(n, 3, generator=generator, dtype=dtype))
+            for n in sizes]
+
+
+def _make_optimizer(kind, params):
+    if kind == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)  # mean-reduced: no division by N anywhere
+
+
+def _big_batch_step(model, optimizer, batches, max_norm=None):
+    """One optimizer step on the concatenation of the micro-batches: the definition of correct."""
+    optimizer.zero_grad()
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    _loss(model, x, y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else math.inf)
+    optimizer.step()
+    return norm
+
+
+def _assert_same_params(a, b, tolerance):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa.double(), pb.double(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("kind", ["sgd-momentum", "adamw"])
+@pytest.mark.parametrize("steps", [1, 3, 4])
+def test_matches_big_batch_in_float64(backend, kind, steps):
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(_make_optimizer(kind, model.parameters()), accumulation_steps=steps, backend=backend)
+    reference_opt = _make_optimizer(kind, reference.parameters())
+    assert opt.backend == backend
+    for window in range(3):
+        batches = _data([4] * steps, seed=window)
+        for index, (x, y) in enumerate(batches):
+            _loss(model, x, y).backward()
+            opt.step()
+            assert opt.stepped == (index == steps - 1)
+            assert opt.micro_step == (index + 1) % steps
+            opt.zero_grad()
+        _big_batch_step(reference, reference_opt, batches)
+        _assert_same_params(model, reference, 1e-12)
+
+
+def test_unequal_weighted_micro_batches(backend):
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(_make_optimizer("adamw", model.parameters()), accumulation_steps=3, backend=backend)
+    reference_opt = _make_optimizer("adamw", reference.parameters())
+    for window in range(2):
+        sizes = [2, 7, 3] if window == 0 else [5, 1, 6]
+        batches = _data(sizes, seed=10 + window)
+        for n, (x, y) in zip(sizes, batches, strict=True):
+            _loss(model, x, y).backward()
+            opt.step(weight=n if window == 0 else torch.tensor(n))  # numbers and 0-d tensors
+            opt.zero_grad()
+        _big_batch_step(reference, reference_opt, batches)
+        _assert_same_params(model, reference, 1e-12)
+
+
+def test_unweighted_unequal_micro_batches_are_not_the_big_batch(backend):
+    """The control for the test above: without weights, unequal micro-batches give the mean of means."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3, backend=backend)
+    batches = _data([2, 7, 3], seed=12)
+    for x, y in batches:
+        _loss(model, x, y).backward()
+        opt.step()
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    difference = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert difference > 1e-6
+
+
+def test_partial_window_with_flush(backend):
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(_make_optimizer("sgd-momentum", model.parameters()), accumulation_steps=4, backend=backend)
+    reference_opt = _make_optimizer("sgd-momentum", reference.parameters())
+    assert opt.flush() is False  # nothing open: nothing to do
+    windows = [_data([3] * 4, seed=20), _data([3, 5], seed=21)]  # a full window, then an epoch's tail
+    for batches in windows:
+        for x, y in batches:
+            _loss(model, x, y).backward()
+            opt.step(weight=x.shape[0])
+            opt.zero_grad()
+        if len(batches) < 4:
+            assert not opt.stepped and opt.micro_step == 2
+            assert opt.flush() is True
+            assert opt.stepped and opt.micro_step == 0
+        _big_batch_step(reference, reference_opt, batches)
+        _assert_same_params(model, reference, 1e-12)
+
+
+def test_flush_refuses_unfolded_gradients(backend):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4, backend=backend)
+    (x, y), (x2, y2) = _data([3, 3])
+    _loss(model, x, y).backward()
+    opt.step()
+    _loss(model, x2, y2).backward()
+    with pytest.raises(RuntimeError, match="not folded by step"):
+        opt.flush()
+    assert opt.micro_step == 1 and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipping", "not-clipping"])
+def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm):
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.5), accumulation_steps=3, max_grad_norm=max_norm, backend=backend
+    )
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for window in range(2):
+        batches = _data([4, 4, 4], seed=30 + window)
+        for x, y in batches:
+            _loss(model, x, y).backward()
+            opt.step()
+        finished = [p.grad.clone() for p in model.parameters()]  # what the inner step used
+        opt.zero_grad()
+        norm = _big_batch_step(reference, reference_opt, batches, max_norm=max_norm)
+        assert opt.grad_norm.dim() == 0
+        torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+        for grad, p in zip(finished, reference.parameters(), strict=True):
+            torch.testing.assert_close(grad, p.grad, rtol=1e-12, atol=1e-15)
+        _assert_same_params(model, reference, 1e-12)
+    if max_norm < 1:
+        assert float(opt.grad_norm) > max_norm  # the clipping branch really ran
+
+
+def test_norm_is_of_the_average_and_independent_of_n(backend):
+    norms = []
+    for steps in (1, 2, 4):
+        model = _model()
+        opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.0), accumulation_steps=steps, backend=backend)
+        x, y = _data([8], seed=40)[0]
+        for xs, ys in zip(x.chunk(steps), y.chunk(steps), strict=True):
+            _loss(model, xs, ys).backward()
+            opt.step()
+        norms.append(opt.grad_norm)
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(norms[2], norms[0], rtol=1e-12, atol=0)
+
+
+def test_bf16_parameters_accumulate_in_fp32(backend):
+    """One large and many small micro-gradients: bf16 accumulation loses the small ones, gafused does not."""
+    param = torch.nn.Parameter(torch.zeros(37, dtype=torch.bfloat16))
+    steps = 64
+    opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), accumulation_steps=steps, backend=backend)
+    generator = torch.Generator().manual_seed(50)
+    grads = [torch.full((37,), 1.0) + 0.25 * torch.rand(37, generator=generator)]
+    grads += [1e-3 * (1 + torch.rand(37, generator=generator)) for _ in range(steps - 1)]
+    grads = [g.to(torch.bfloat16) for g in grads]
+    naive = torch.zeros(37, dtype=torch.bfloat16)
+    for g in grads:
+        param.grad = g.clone()
+        naive += g
+        opt.step()
+    exact = torch.stack([g.double() for g in grads]).sum(0) / steps
+    assert param.grad.dtype == torch.bfloat16
+    # the fp32 buffer holds the exact mean to fp32 rounding; p.grad is its bf16 rounding
+    torch.testing.assert_close(opt.buffers[0].view(0).double(), exact, rtol=1e-6, atol=0)
+    assert torch.equal(param.grad, opt.buffers[0].view(0).to(torch.bfloat16))
+    naive_error = float(((naive.double() / steps) - exact).abs().max() / exact.abs().max())
+    assert naive_error > 0.02  # the control: bf16 accumulation really loses the small gradients
+
+
+def _snapshot(model, optimizer):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+
+def _assert_unchanged(model, optimizer, snapshot):
+    params, state = snapshot
+    for p, before in zip(model.parameters(), params, strict=True):
+        assert torch.equal(p.detach(), before)
+    assert str(optimizer.state_dict()) == str(state)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, value):
+    model = _model()
+    reference = copy.deepcopy(model)
+    inner = _make_optimizer("adamw", model.parameters())
+    reference_opt = _make_optimizer("adamw", reference.parameters())
+    opt = GradAccumulator(inner, accumulation_steps=3, max_grad_norm=1.0, backend=backend)
+    warm = _data([2, 2, 2], seed=60)
+    for x, y in warm:  # a normal window first, so there is optimizer state to protect
+        _loss(model, x, y).backward()
+        opt.step()
+    opt.zero_grad()
+    _big_batch_step(reference, reference_opt, warm, max_norm=1.0)
+    snapshot = _snapshot(model, inner)
+
+    for index, (x, y) in enumerate(_data([2, 2, 2], seed=61)):
+        _loss(model, x, y).backward()
+        if index == position:
+            model[0].weight.grad[1, 2] = value
+        opt.step()
+        opt.zero_grad()
+    assert not opt.stepped and opt.skipped_steps == 1 and opt.micro_step == 0
+    assert not math.isfinite(float(opt.grad_norm))
+    assert all(p.grad is None for p in model.parameters())
+    _assert_unchanged(model, inner, snapshot)
+
+    after = _data([2, 2, 2], seed=62)
+    for x, y in after:
+        _loss(model, x, y).backward()
+        opt.step()
+    assert opt.stepped
+    _big_batch_step(reference, reference_opt, after, max_norm=1.0)
+    _assert_same_params(model, reference, 1e-12)
+
+
+def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend):
+    model = _model()
+    unused = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    partial = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+    inner = torch.optim.AdamW([*model.parameters(), unused, partial], lr=0.1, weight_decay=0.5)
+    opt = GradAccumulator(inner, accumulation_steps=3, backend=backend)
+    unused_before = unused.detach().clone()
+    reference_partial = partial.detach().clone().requires_grad_()
+    reference_inner = torch.optim.AdamW([reference_partial], lr=0.1, weight_decay=0.5)
+    partial_grads = []
+    for index, (x, y) in enumerate(_data([2, 2, 2], seed=70)):
+        loss = _loss(model, x, y)
+        if index == 1:  # `partial` takes part in one micro-batch of three
+            loss = loss + (partial**2).sum()
+            partial_grads.append(2 * partial.detach().clone())
+        loss.backward()
+        opt.step()
+        if index < 2:
+            assert all(p.grad is None for p in inner.param_groups[0]["params"])  # folded and released
+    assert opt.stepped
+    assert unused.grad is None and torch.equal(unused.detach(), unused_before)
+    assert unused not in inner.state
+    torch.testing.assert_close(partial.grad, partial_grads[0] / 3, rtol=1e-12, atol=0)
+    reference_partial.grad = partial_grads[0] / 3
+    reference_inner.step()
+    torch.testing.assert_close(partial.detach(), reference_partial.detach(), rtol=1e-12, atol=0)
+
+
+def test_mixed_dtypes_get_one_buffer_each_and_grads_in_their_dtype(backend):
+    torch.manual_seed(80)
+    low = torch.nn.Linear(6, 5).to(torch.bfloat16)
+    high = torch.nn.Linear(5, 2)
+    params = [*low.parameters(), *high.parameters()]
+    opt = GradAccumulator(torch.optim.SGD(params, lr=0.0), accumulation_steps=2, backend=backend)
+    assert sorted(str(b.params[0].dtype) for b in opt.buffers) == ["torch.bfloat16", "torch.float32"]
+    assert all(b.accum_dtype == torch.float32 for b in opt.buffers)
+    expected = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    for seed in (81, 82):
+        generator = torch.Generator().manual_seed(seed)
+        for p, e in zip(params, expected, strict=True):
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            e += p.grad.double() / 2
+        opt.step()
+    for p, e in zip(params, expected, strict=True):
+        assert p.grad.dtype == p.dtype
+        tolerance = 1e-2 if p.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(p.grad.double(), e, rtol=tolerance, atol=tolerance)
+
+
+def test_float64_parameters_accumulate_in_float64():
+    param = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=0.1), accumulation_steps=2)
+    assert opt.buffers[0].accum_dtype == torch.float64
+
+
+def test_mid_window_checkpoint_resumes_exactly(backend):
+    def build():
+        model = _model()
+        opt = GradAccumulator(
+            _make_optimizer("adamw", model.parameters()), accumulation_steps=4, max_grad_norm=0.5, backend=backend
+        )
+        return model, opt
+
+    model, opt = build()
+    batches = _data([3, 1, 4, 2, 5, 2, 3, 1, 2, 3], seed=90)
+    uninterrupted, uninterrupted_opt = build()
+    for n_done, (x, y) in enumerate(batches):
+        _loss(uninterrupted, x, y).backward()
+        uninterrupted_opt.step(weight=x.shape[0])
+        uninterrupted_opt.zero_grad()
+        if n_done < 6:  # 1 full window, then 2 micro-batches into the second
+            _loss(model, x, y).backward()
+            opt.step(weight=torch.tensor(x.shape[0]))
+            opt.zero_grad()
+    assert opt.micro_step == 2
+
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    assert resumed_opt.micro_step == 2
+    for x, y in batches[6:]:
+        _loss(resumed, x, y).backward()
+        resumed_opt.step(weight=x.shape[0])
+        resumed_opt.zero_grad()
+    for a, b in zip(resumed.parameters(), uninterrupted.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_rejects_other_models():
+    opt = GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2)
+    other = GradAccumulator(torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1), accumulation_steps=2)
+    with pytest.raises(ValueError, match="do not match"):
+        opt.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError, match="state_dict"):
+        opt.load_state_dict({"optimizer": {}})
+
+
+def test_scheduler_steps_once_per_window_and_per_micro_batch_use_warns(backend):
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = GradAccumulator(inner, accumulation_steps=2, backend=backend)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda epoch: 0.5**epoch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in _data([2] * 6, seed=100):
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if opt.stepped:
+                scheduler.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.5**3)
+    with pytest.raises(TypeError):  # a scheduler cannot be built on the wrapper by mistake
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
+    with pytest.warns(UserWarning, match="learning rate changed inside an accumulation window"):
+        for x, y in _data([2] * 2, seed=101):
+            _loss(model, x, y).backward()
+            opt.step()
+            scheduler.step()  # the mistake: stepped every micro-batch
+
+
+def test_param_groups_and_state_are_the_inner_optimizers():
+    inner = torch.optim.AdamW(_model().parameters(), lr=0.1)
+    opt = GradAccumulator(inner, accumulation_steps=2)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.optimizer is inner
+    assert opt.grad_norm is None and opt.skipped_steps == 0 and opt.stepped is False
+    assert "GradAccumulator(AdamW" in repr(opt)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"accumulation_steps": 0}, ValueError, "accumulation_steps"),
+        ({"accumulation_steps": -2}, ValueError, "accumulation_steps"),
+        ({"accumulation_steps": 2.0}, ValueError, "accumulation_steps"),
+        ({"accumulation_steps": True}, ValueError, "accumulation_steps"),
+        ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": float("inf")}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": float("nan")}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": "1"}, ValueError, "max_grad_norm"),
+        ({"accum_dtype": torch.bfloat16}, ValueError, "accum_dtype"),
+        ({"backend": "fastest"}, ValueError, "backend"),
+        ({"grad_scaler": object()}, TypeError, "grad_scaler"),
+    ],
+    ids=lambda value: str(value) if not isinstance(value, dict) else "-".join(f"{k}={v}" for k, v in value.items()),
+)
+def test_constructor_rejects_bad_arguments(kwargs, error, message):
+    arguments = {"optimizer": torch.optim.SGD(_model().parameters(), lr=0.1), "accumulation_steps": 2, **kwargs}
+    with pytest.raises(error, match=message):
+        GradAccumulator(**arguments)
+
+
+def test_constructor_rejects_non_optimizers_and_complex_parameters():
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        GradAccumulator(_model().parameters(), accumulation_steps=2)
+    complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="real floating point"):
+        GradAccumulator(torch.optim.SGD([complex_param], lr=0.1), accumulation_steps=2)
+
+
+def test_missing_backend_raises_with_install_command():
+    with pytest.raises(RuntimeError, match="To install it"):
+        GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2, backend="cuda")
+
+
+def test_env_backend_is_used_by_auto(monkeypatch):
+    monkeypatch.setenv("GAFUSED_BACKEND", "reference")
+    opt = GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2)
+    assert opt.backend == "reference"
+    monkeypatch.setenv("GAFUSED_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="GAFUSED_BACKEND"):
+        GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2)
+
+
+def test_available_backends_lists_reference():
+    assert "reference" in gafused.available_backends()
+    assert "reference" in gafused.available_backends("cpu")
+
+
+def _state(model, opt):
+    return (
+        opt.micro_step,
+        [b.data.clone() for b in opt.buffers],
+        [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+    )
+
+
+def _assert_same_state(a, b):
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1], strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip(a[2], b[2], strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    ("weight", "error", "message"),
+    [
+        (-1.0, ValueError, "non-negative finite"),
+        (float("nan"), ValueError, "non-negative finite"),
+        (float("inf"), ValueError, "non-negative finite"),
+        (torch.tensor(-3), ValueError, "non-negative finite"),
+        (torch.tensor(float("nan")), ValueError, "non-negative finite"),
+        (torch.ones(2), ValueError, "0-d tensor"),
+        (torch.tensor(True), ValueError, "real number"),
+        (True, TypeError, "weight"),
+        ("3", TypeError, "weight"),
+    ],
+    ids=["negative", "nan", "inf", "negative-tensor", "nan-tensor", "1d-tensor", "bool-tensor", "bool", "string"],
+)
+def test_refused_step_changes_nothing_and_can_be_retried(backend, weight, error, message):
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, backend=backend)
+    batches = _data([3, 4], seed=110)
+    _loss(model, *batches[0]).backward()
+    opt.step(weight=3)
+    _loss(model, *batches[1]).backward()
+    before = _state(model, opt)
+    with pytest.raises(error, match=message):
+        opt.step(weight=weight)
+    _assert_same_state(before, _state(model, opt))
+    opt.step(weight=4)  # the same micro-batch, folded again with a good weight
+    assert opt.stepped
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    _assert_same_params(model, reference, 1e-12)
+
+
+def test_sparse_gradients_are_refused_by_name():
+    embedding = torch.nn.Embedding(10, 3, sparse=True).double()
+    opt = GradAccumulator(torch.optim.SGD(embedding.parameters(), lr=0.1), accumulation_steps=2)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*sparse"):
+        opt.step()
+    assert opt.micro_step == 0 and embedding.weight.grad is not None
+
+
+def test_parameters_added_later_are_refused():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, accumulation_steps=2)
+    inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.step()
+
+
+def test_zero_weight_window_is_skipped(backend):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, backend=backend)
+    before = [p.detach().clone() for p in model.parameters()]
+    for x, y in _data([2, 2], seed=120):
+        _loss(model, x, y).backward()
+        opt.step(weight=0)
+    assert not opt.stepped and opt.skipped_steps == 1
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+
+
+@pytest.mark.gpu
+def test_device_tensor_weight_checked_at_window_end():
+    model = _model(torch.float32).cuda()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    for index, (x, y) in enumerate(_data([2, 2], dtype=torch.float32, seed=130)):
+        _loss(model, x.cuda(), y.cuda()).backward()
+        weight = torch.tensor(-1.0 if index == 0 else 2.0, device="cuda")
+        if index == 0:
+            opt.step(weight=weight)  # no host sync: the check waits for the end of the window
+        else:
+            with pytest.raises(ValueError, match="weight"):
+                opt.step(weight=weight)
+    assert opt.micro_step == 0 and not opt.stepped
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)

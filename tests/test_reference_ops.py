@@ -1,0 +1,221 @@
+"""The reference backend against float64 first principles, and the layout it works on."""
+
+import pytest
+import torch
+
+from gafused import FlatGradBuffer, ops
+
+SHAPES = {
+    "mixed": [(5,), (3, 7), (0,), (1,), (2, 3, 4), (17,)],
+    "one-element": [(1,)],
+    "empty-and-one": [(0,), (1,), (0,)],
+    "odd": [(131,), (1, 97), (13, 13)],
+}
+GRAD_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _buffer(shapes, accum_dtype=torch.float32, alignment_bytes=64):
+    params = [torch.empty(shape) for shape in shapes]
+    return FlatGradBuffer(params, accum_dtype=accum_dtype, alignment_bytes=alignment_bytes)
+
+
+def _grads(buffer, dtype, generator, missing=()):
+    return [
+        None if i in missing else torch.randn(shape, generator=generator).to(dtype)
+        for i, shape in enumerate(buffer.shapes)
+    ]
+
+
+def _poison_padding(buffer):
+    """Fill every element outside segments with a sentinel so tests can see it is never touched."""
+    inside = torch.zeros(buffer.numel, dtype=torch.bool)
+    for start, numel in zip(buffer.offsets, buffer.numels, strict=True):
+        inside[start : start + numel] = True
+    buffer.data[~inside] = 12345.0
+    return ~inside
+
+
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.float64], ids=str)
+def test_window_matches_float64(shapes, grad_dtype, accum_dtype):
+    generator = torch.Generator().manual_seed(1)
+    buffer = _buffer(shapes, accum_dtype)
+    padding = _poison_padding(buffer)
+    weights = [0.5, torch.tensor(3.0), 2]
+    windows = [_grads(buffer, grad_dtype, generator, missing={0} if k == 1 else ()) for k in range(3)]
+    expected = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
+    for grads, weight in zip(windows, weights, strict=True):
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                expected[i] += float(weight) * grad.double()
+    scale = 1.0 / sum(float(w) for w in weights)
+    expected = [e * scale for e in expected]
+
+    ops.fold_(buffer, windows[0], weights[0], first=True, backend="reference")
+    ops.fold_(buffer, windows[1], weights[1], first=False, backend="reference")
+    sumsq, nonfinite = ops.fold_finish_(buffer, windows[2], weights[2], scale, first=False, backend="reference")
+
+    tolerance = {torch.float32: 1e-6, torch.float64: 1e-13}[accum_dtype]
+    for i, e in enumerate(expected):
+        torch.testing.assert_close(buffer.view(i).double(), e, rtol=tolerance, atol=tolerance)
+    expected_sumsq = sum(float(e.square().sum()) for e in expected)
+    assert sumsq.dtype == accum_dtype and sumsq.dim() == 0
+    assert float(sumsq) == pytest.approx(expected_sumsq, rel=10 * tolerance, abs=tolerance)
+    assert nonfinite.dtype == torch.bool and not bool(nonfinite)
+    assert torch.all(buffer.data[padding] == 12345.0)
+
+
+def test_first_fold_overwrites_and_zeroes_missing():
+    generator = torch.Generator().manual_seed(2)
+    buffer = _buffer(SHAPES["mixed"])
+    buffer.data.normal_(generator=generator)  # stale values from an earlier window
+    grads = _grads(buffer, torch.float32, generator, missing={1})
+    ops.fold_(buffer, grads, 2.0, first=True, backend="reference")
+    for i, grad in enumerate(grads):
+        expected = torch.zeros(buffer.shapes[i]) if grad is None else 2.0 * grad
+        torch.testing.assert_close(buffer.view(i), expected)
+
+
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_finish_flags_nonfinite(position, value):
+    generator = torch.Generator().manual_seed(3)
+    buffer = _buffer([(9,), (4, 5), (3,)])
+    grads = _grads(buffer, torch.float32, generator)
+    index = {"first": 0, "middle": 10, "last": 19}[position]
+    grads[1].view(-1)[index] = value
+    ops.fold_(buffer, _grads(buffer, torch.float32, generator), 1.0, first=True, backend="reference")
+    _, nonfinite = ops.fold_finish_(buffer, grads, 1.0, 0.5, first=False, backend="reference")
+    assert bool(nonfinite)
+    finished = buffer.view(1).view(-1)[index]
+    assert torch.isnan(finished) if value != value else torch.isinf(finished)
+
+
+def test_finish_scales_segments_without_grad():
+    generator = torch.Generator().manual_seed(4)
+    buffer = _buffer([(6,), (5,)])
+    first = _grads(buffer, torch.float32, generator)
+    ops.fold_(buffer, first, 1.0, first=True, backend="reference")
+    ops.fold_finish_(buffer, [None, None], 1.0, 0.25, first=False, backend="reference")
+    for i, grad in enumerate(first):
+        torch.testing.assert_close(buffer.view(i), grad * 0.25)
+
+
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
+def test_sum_of_squares_matches_float64_and_repeats_bitwise(shapes):
+    generator = torch.Generator().manual_seed(5)
+    buffer = _buffer(shapes)
+    _poison_padding(buffer)
+    ops.fold_(buffer, _grads(buffer, torch.float32, generator), 1.0, first=True, backend="reference")
+    per_segment = ops.sum_of_squares(buffer, per_segment=True, backend="reference")
+    expected = torch.tensor(
+        [float(buffer.view(i).double().square().sum()) for i in range(len(buffer))], dtype=torch.float64
+    )
+    torch.testing.assert_close(per_segment.double(), expected, rtol=1e-6, atol=1e-6)
+    total = ops.sum_of_squares(buffer, backend="reference")
+    assert float(total) == pytest.approx(float(expected.sum()), rel=1e-6)
+    for _ in range(3):
+        assert torch.equal(ops.sum_of_squares(buffer, backend="reference"), total)
+    torch.testing.assert_close(ops.norm(buffer, backend="reference"), total.sqrt())
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_scale_in_place_or_cast(out_dtype):
+    generator = torch.Generator().manual_seed(6)
+    buffer = _buffer(SHAPES["mixed"])
+    padding = _poison_padding(buffer)
+    ops.fold_(buffer, _grads(buffer, torch.float32, generator), 1.0, first=True, backend="reference")
+    before = buffer.data.clone()
+    coef = torch.tensor(0.375)
+    if out_dtype is None:
+        ops.scale_(buffer, coef, backend="reference")
+        torch.testing.assert_close(buffer.data[~padding], before[~padding] * 0.375)
+    else:
+        out = torch.full((buffer.numel,), -7.0, dtype=out_dtype)
+        ops.scale_(buffer, coef, out=out, backend="reference")
+        assert torch.equal(buffer.data, before)
+        for i in range(len(buffer)):
+            assert torch.equal(buffer.view(i, out), (buffer.view(i) * 0.375).to(out_dtype))
+        assert torch.all(out[padding] == -7.0)
+    assert torch.all(buffer.data[padding] == 12345.0)
+
+
+def test_layout_alignment_offsets_and_views():
+    buffer = _buffer([(3,), (0,), (5, 2), (1,)], alignment_bytes=16)
+    assert buffer.offsets == [0, 4, 4, 16]
+    assert buffer.numel == 20
+    assert all(isinstance(offset, int) for offset in buffer.offsets)
+    assert buffer.offsets_tensor.dtype == torch.int64
+    view = buffer.view(2)
+    view.fill_(2.0)
+    assert view.shape == (5, 2) and view.data_ptr() == buffer.data.data_ptr() + 4 * 4
+    assert torch.all(buffer.segment(2) == 2.0)
+    wide = _buffer([(3,), (5,)], accum_dtype=torch.float64, alignment_bytes=64)
+    assert wide.offsets == [0, 8]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"params": []}, "at least one"),
+        ({"accum_dtype": torch.bfloat16}, "accum_dtype"),
+        ({"alignment_bytes": 24}, "alignment_bytes"),
+        ({"alignment_bytes": 8}, "alignment_bytes"),
+        ({"params": [torch.empty(3, dtype=torch.int64)]}, "floating point"),
+        ({"params": [torch.empty(3, dtype=torch.float64)]}, "narrower"),
+    ],
+    ids=["empty", "bf16-accum", "unaligned", "too-small-alignment", "int-param", "fp64-param-fp32-accum"],
+)
+def test_buffer_rejects_bad_input(kwargs, message):
+    arguments = {"params": [torch.empty(3)], "accum_dtype": torch.float32, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        FlatGradBuffer(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("grads", "error", "message"),
+    [
+        ([torch.randn(3)], ValueError, "one entry per buffer segment"),
+        ([torch.randn(4), torch.randn(2)], ValueError, "elements"),
+        ([torch.randn(3), torch.randn(2, dtype=torch.complex64)], ValueError, "real floating"),
+        ([torch.randn(3), torch.ones(2, dtype=torch.int32)], ValueError, "real floating"),
+        ([torch.randn(3), "grad"], TypeError, "tensor or None"),
+    ],
+    ids=["count", "numel", "complex", "integer", "not-a-tensor"],
+)
+def test_ops_reject_bad_grads(grads, error, message):
+    buffer = _buffer([(3,), (2,)])
+    before = buffer.data.clone()
+    with pytest.raises(error, match=message):
+        ops.fold_(buffer, grads, 1.0, first=True, backend="reference")
+    assert torch.equal(buffer.data, before)
+
+
+def test_ops_reject_bad_scalars_and_backend():
+    buffer = _buffer([(3,)])
+    with pytest.raises(ValueError, match="weight"):
+        ops.fold_(buffer, [torch.randn(3)], torch.ones(2), first=True, backend="reference")
+    with pytest.raises(TypeError, match="coef"):
+        ops.scale_(buffer, "2", backend="reference")
+    with pytest.raises(ValueError, match="backend"):
+        ops.norm(buffer, backend="fastest")
+    with pytest.raises(ValueError, match="out"):
+        ops.scale_(buffer, 1.0, out=torch.empty(3), backend="reference")
+
+
+def test_ops_are_torch_library_ops_and_trace_under_compile():
+    buffer = _buffer([(5,), (3,)])
+    grads = [torch.randn(5), torch.randn(3)]
+    weight = torch.tensor(2.0)
+    scale = torch.tensor(0.5)
+
+    def finish(data, g0, g1, w, s):
+        return torch.ops.gafused.fold_finish_(data, [g0, g1], buffer.offsets, buffer.numels, w, s, True, "reference")
+
+    compiled = torch.compile(finish, backend="aot_eager", fullgraph=True)
+    sumsq, nonfinite = compiled(buffer.data, *grads, weight, scale)
+    expected = torch.cat([g * 2.0 * 0.5 for g in grads])
+    torch.testing.assert_close(torch.cat([buffer.segment(0), buffer.segment(1)]), expected)
+    torch.testing.assert_close(sumsq, expected.square().sum())
+    assert not bool(nonfinite)
