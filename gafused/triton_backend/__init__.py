@@ -1,0 +1,46 @@
+"""Triton backend: the gafused.ops contracts (see gafused/reference.py) as Triton kernels.
+
+Each op covers every segment of a buffer in one launch (one per gradient dtype for ``fold_``), driven by
+a block table built once per layout (``_layout.py``). Kernels run on CUDA/ROCm tensors, and on CPU
+tensors under TRITON_INTERPRET=1, which the test suite uses on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from gafused.triton_backend.fold import _fold_kernel, fold_, fold_finish_
+from gafused.triton_backend.norm import sum_of_squares
+from gafused.triton_backend.scale import scale_
+
+__all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_reason"]
+
+# TRITON_INTERPRET is read when a kernel is defined, so what matters is how this module's kernels were built.
+_INTERPRETED = isinstance(_fold_kernel, InterpretedFunction)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why these kernels cannot run on ``device`` (None when they can).
+
+    Args:
+        device: the device of the buffer the ops would run on.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if _INTERPRETED:
+            # The interpreter copies each tensor argument to the host on its own; the gradient table
+            # reaches gradients through pointer arithmetic from one base, which needs real host memory.
+            return (
+                "triton kernels were defined under TRITON_INTERPRET=1, which gafused supports for CPU tensors "
+                "only; unset TRITON_INTERPRET to run them on CUDA tensors"
+            )
+        return None
+    if device.type == "cpu":
+        if _INTERPRETED:
+            return None
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return "TRITON_INTERPRET=1 was set after gafused.triton_backend was imported; set it before importing"
+    return "triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors"

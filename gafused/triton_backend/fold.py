@@ -1,0 +1,172 @@
+"""Fold a micro-batch of gradients into the flat buffer, for every segment in one launch.
+
+``_fold_kernel`` computes ``acc = (0 if FIRST else acc) + w * g`` over one block of one segment. With
+FINISH (last micro-batch) the same pass also multiplies by the window scale and writes the block's sum
+of squares and non-finite flag of the result, which ``norm.reduce_partials`` then reduces in a fixed
+order. One launch per distinct gradient dtype (see ``_layout.grad_tables``); every launch covers all
+blocks, and a block whose segment belongs to another launch does no memory traffic at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gafused.triton_backend._layout import OTHER_LAUNCH, block_table, grad_tables
+from gafused.triton_backend.norm import reduce_partials
+
+__all__ = ["fold_", "fold_finish_"]
+
+_OTHER_LAUNCH = tl.constexpr(OTHER_LAUNCH)
+
+
+@triton.jit
+def _fold_kernel(
+    acc_ptr,
+    grad_base_ptr,
+    grad_offset_ptr,
+    block_segment_ptr,
+    block_start_ptr,
+    segment_offset_ptr,
+    segment_numel_ptr,
+    weight_ptr,
+    scale_ptr,
+    partial_ptr,
+    flag_ptr,
+    FIRST: tl.constexpr,
+    FINISH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    block = tl.program_id(0).to(tl.int64)
+    segment = tl.load(block_segment_ptr + block)
+    grad_offset = tl.load(grad_offset_ptr + segment)
+    # Sentinels (negative) are NO_GRAD (this launch handles the segment without a gradient) and
+    # OTHER_LAUNCH (a launch for another gradient dtype handles it).
+    has_grad = grad_offset >= 0
+    mine = grad_offset != _OTHER_LAUNCH
+    start = tl.load(block_start_ptr + block)
+    numel = tl.load(segment_numel_ptr + segment)
+    base = tl.load(segment_offset_ptr + segment)
+    # Scalar conditions shrink the segment's bound instead of joining the block mask: a block that is
+    # not this launch's (or has no gradient to read) then masks every lane.
+    limit = tl.where(mine, numel, 0)
+    if not (FIRST or FINISH):
+        # A middle micro-batch leaves a segment without a gradient untouched: no read, no write.
+        limit = tl.where(has_grad, limit, 0)
+    grad_limit = tl.where(has_grad, limit, 0)
+    index = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = index < limit
+
+    compute = acc_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr)
+    grad = tl.load(grad_base_ptr + grad_offset + index, mask=index < grad_limit, other=0.0).to(compute)
+    # A missing gradient contributes exactly zero, even when the weight is inf or nan.
+    value = tl.where(has_grad, grad * weight, 0.0)
+    if not FIRST:
+        value = tl.load(acc_ptr + base + index, mask=mask, other=0.0) + value
+    if FINISH:
+        value = value * tl.load(scale_ptr)
+    tl.store(acc_ptr + base + index, value, mask=mask)
+
+    if FINISH:
+        counted = tl.where(mask, value, 0.0)
+        nonfinite = (counted != counted) | (tl.abs(counted) == float("inf"))
+        tl.store(partial_ptr + block, tl.sum(counted * counted, axis=0), mask=mine)
+        tl.store(flag_ptr + block, tl.max(nonfinite.to(tl.int32), axis=0).to(tl.uint8), mask=mine)
+
+
+def _launch(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    first: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if len(grads) != len(offsets):
+        raise ValueError(f"grads must hold one entry per segment ({len(offsets)}), got {len(grads)}")
+    for index, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
+        if grad is not None and grad.numel() != numel:
+            raise ValueError(f"grads[{index}] has {grad.numel()} elements, its segment {numel}")
+    table = block_table(acc, offsets, numels)
+    finish = scale is not None
+    weight = weight.to(device=acc.device, dtype=acc.dtype)
+    scale = scale.to(device=acc.device, dtype=acc.dtype) if finish else weight
+    partials = torch.empty(table.n_blocks if finish else 0, dtype=acc.dtype, device=acc.device)
+    flags = torch.empty(table.n_blocks if finish else 0, dtype=torch.uint8, device=acc.device)
+    if table.n_blocks:
+        bases, offsets_table, keep_alive = grad_tables(acc, grads)
+        for launch, base in enumerate(bases):
+            _fold_kernel[(table.n_blocks,)](
+                acc,
+                base,
+                offsets_table[launch],
+                table.block_segment,
+                table.block_start,
+                table.segment_offset,
+                table.segment_numel,
+                weight,
+                scale,
+                partials,
+                flags,
+                FIRST=first,
+                FINISH=finish,
+                BLOCK=table.block_size,
+                num_warps=table.num_warps,
+            )
+        del keep_alive  # copies made for the launches: the stream orders their reuse after the kernels
+    if not finish:
+        return None
+    total, flag = reduce_partials(partials, flags, table, per_segment=False)
+    return total, flag
+
+
+def fold_(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    first: bool,
+) -> None:
+    """acc[seg] = (0 if first else acc[seg]) + weight * grads[i]; a missing grad contributes zero.
+
+    Args:
+        acc: flat accumulation buffer (float32 or float64), updated in place.
+        grads: one gradient (any float dtype, the segment's number of elements) or None per segment.
+        offsets: start of each segment in ``acc``.
+        numels: elements of each segment.
+        weight: 0-d tensor on ``acc``'s device, the micro-batch weight.
+        first: overwrite instead of adding (a segment without a gradient is then written with zeros).
+    """
+    _launch(acc, grads, offsets, numels, weight, None, first)
+
+
+def fold_finish_(
+    acc: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    offsets: list[int],
+    numels: list[int],
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold_``, then every segment *= scale; returns (sum of squares, any non-finite) of the result.
+
+    Args:
+        acc: as in ``fold_``.
+        grads: as in ``fold_``.
+        offsets: as in ``fold_``.
+        numels: as in ``fold_``.
+        weight: as in ``fold_``.
+        scale: 0-d tensor on ``acc``'s device; every segment is scaled, with or without a gradient.
+        first: as in ``fold_``.
+
+    Returns:
+        (sum of squares as a 0-d tensor of ``acc.dtype``, 0-d bool tensor), both on ``acc``'s device.
+    """
+    result = _launch(acc, grads, offsets, numels, weight, scale, first)
+    assert result is not None  # FINISH launches always measure
+    return result

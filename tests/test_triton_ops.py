@@ -1,0 +1,323 @@
+"""The Triton backend against the reference backend, op by op.
+
+Without a GPU the kernels run on CPU tensors under TRITON_INTERPRET=1 (set in conftest.py), so sizes stay
+small. Every test builds two identical buffers, runs the same op with backend="triton" on one and
+backend="reference" on the other, and compares. Buffer padding holds a sentinel that must survive.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gafused import ops
+from gafused.buffer import FlatGradBuffer
+
+_TRITON_REASON = ops.backend_unavailable_reason("triton", "cuda" if torch.cuda.is_available() else "cpu")
+if _TRITON_REASON is not None:
+    pytest.skip(f"triton backend unavailable: {_TRITON_REASON}", allow_module_level=True)
+
+from gafused.triton_backend import _layout, unavailable_reason  # noqa: E402 - only importable with triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SENTINEL = -7777.25  # exactly representable in every dtype used here; no random value comes near it
+
+# Segment shapes. "mixed" holds an empty, a one-element and an odd segment, one below a block and three
+# that end just past a block boundary (blocks are 1024 elements for buffers this small, checked below).
+LAYOUTS = {
+    "mixed": [(0,), (1,), (3, 5), (1000,), (1025,), (2, 1025), (7,)],
+    "many_small": [(n,) for n in (3, 1, 17, 0, 29, 5, 11, 2, 31, 8, 13, 1, 23, 4, 19, 6, 37, 9, 2, 15)],
+    "one_element": [(1,)],
+    "all_empty": [(0,), (0, 3)],
+}
+ACCUM_DTYPES = {"acc_fp32": torch.float32, "acc_fp64": torch.float64}
+GRAD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+# (rtol, atol) for values computed in the buffer's dtype: elementwise results may differ from the
+# reference only by contraction (fma) on a GPU; sums also by summation order.
+ELEMENTWISE_TOL = {torch.float32: (1e-6, 1e-6), torch.float64: (1e-12, 1e-12)}
+SUM_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
+
+
+def _ids(mapping: dict) -> dict:
+    return {"argvalues": list(mapping.values()), "ids": list(mapping.keys())}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(20240611)
+
+
+def _buffers(shapes, accum_dtype) -> tuple[FlatGradBuffer, FlatGradBuffer]:
+    """Two buffers with the same layout and random contents; padding holds SENTINEL."""
+    params = [torch.empty(shape, device=DEVICE) for shape in shapes]
+    triton_buffer = FlatGradBuffer(params, accum_dtype)
+    reference_buffer = FlatGradBuffer(params, accum_dtype)
+    contents = torch.full((triton_buffer.numel,), SENTINEL, dtype=accum_dtype, device=DEVICE)
+    for index in range(len(triton_buffer)):
+        start, numel = triton_buffer.offsets[index], triton_buffer.numels[index]
+        contents[start : start + numel] = torch.randn(numel, dtype=accum_dtype, device=DEVICE)
+    triton_buffer.data.copy_(contents)
+    reference_buffer.data.copy_(contents)
+    return triton_buffer, reference_buffer
+
+
+def _padding_mask(buffer: FlatGradBuffer) -> torch.Tensor:
+    in_segment = torch.zeros(buffer.numel, dtype=torch.bool, device=DEVICE)
+    for start, numel in zip(buffer.offsets, buffer.numels, strict=True):
+        in_segment[start : start + numel] = True
+    return ~in_segment
+
+
+def _assert_padding_untouched(buffer: FlatGradBuffer) -> None:
+    padding = buffer.data[_padding_mask(buffer)]
+    assert torch.all(padding == SENTINEL), "an op wrote into the padding between segments"
+
+
+def _grads(buffer: FlatGradBuffer, dtypes, missing=()) -> list[torch.Tensor | None]:
+    """Random gradients shaped like the buffer's params; ``dtypes`` cycles over segments."""
+    grads: list[torch.Tensor | None] = []
+    for index, shape in enumerate(buffer.shapes):
+        dtype = dtypes[index % len(dtypes)]
+        grads.append(None if index in missing else torch.randn(shape, device=DEVICE).to(dtype))
+    return grads
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerances: dict) -> None:
+    rtol, atol = tolerances[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def test_small_layouts_cross_block_boundaries():
+    block_size, _ = _layout.launch_config(tuple(torch.Size(s).numel() for s in LAYOUTS["mixed"]))
+    assert block_size == 1024, "the 'mixed' layout is sized around 1024-element blocks"
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("grad_dtype", **_ids(GRAD_DTYPES))
+@pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
+def test_fold_matches_reference(shapes, grad_dtype, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+    # First micro-batch with a Python weight, then two more with 0-d tensor weights.
+    weights = [0.75, torch.tensor(1.5), torch.tensor(0.3, dtype=torch.float64)]
+    for step, weight in enumerate(weights):
+        grads = _grads(triton_buffer, [grad_dtype])
+        ops.fold_(triton_buffer, grads, weight, first=step == 0, backend="triton")
+        ops.fold_(reference_buffer, grads, weight, first=step == 0, backend="reference")
+        _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    _assert_padding_untouched(triton_buffer)
+
+
+# The interpreter evaluates 0 * inf on masked-off lanes too (numpy warns); the kernel discards those lanes.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("first", [True, False], ids=["first", "not_first"])
+def test_fold_missing_grads(first, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    before = triton_buffer.data.clone()
+    missing = {1, 3, 5}
+    grads = _grads(triton_buffer, [torch.bfloat16, torch.float32], missing=missing)
+    # An inf weight must not leak into segments without a gradient (0 * inf would be nan).
+    weight = torch.tensor(float("inf"))
+    ops.fold_(triton_buffer, grads, weight, first=first, backend="triton")
+    ops.fold_(reference_buffer, grads, weight, first=first, backend="reference")
+    _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    for index in missing:
+        segment = triton_buffer.segment(index)
+        expected = torch.zeros_like(segment) if first else before[triton_buffer.offsets[index] :][: segment.numel()]
+        assert torch.equal(segment, expected)
+    _assert_padding_untouched(triton_buffer)
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+def test_fold_mixed_grad_dtypes_in_one_call(accum_dtype):
+    triton_buffer, reference_buffer = _buffers(LAYOUTS["many_small"], accum_dtype)
+    for first in (True, False):
+        grads = _grads(triton_buffer, list(GRAD_DTYPES.values()), missing={2, 9})
+        ops.fold_(triton_buffer, grads, 0.5, first=first, backend="triton")
+        ops.fold_(reference_buffer, grads, 0.5, first=first, backend="reference")
+        _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    _assert_padding_untouched(triton_buffer)
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("first", [True, False], ids=["first", "not_first"])
+@pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
+def test_fold_finish_matches_reference(shapes, first, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+    # Segment 1 has no gradient: it must still be scaled (and zeroed first when ``first``).
+    grads = _grads(triton_buffer, [torch.bfloat16, torch.float16, torch.float32], missing={1})
+    weight, scale = torch.tensor(0.8), 0.25
+    result = ops.fold_finish_(triton_buffer, grads, weight, scale, first=first, backend="triton")
+    expected = ops.fold_finish_(reference_buffer, grads, weight, scale, first=first, backend="reference")
+    _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    assert result[0].shape == () and result[0].dtype == accum_dtype
+    assert result[1].shape == () and result[1].dtype == torch.bool
+    _assert_close(result[0], expected[0], SUM_TOL)
+    assert not result[1] and not expected[1]
+    _assert_padding_untouched(triton_buffer)
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_fold_finish_flags_nonfinite(where, bad_value, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    grads = _grads(triton_buffer, [torch.bfloat16, torch.float32])
+    target = grads[5].view(-1)  # 2050 elements, spanning three blocks
+    target[{"first": 0, "middle": target.numel() // 2, "last": target.numel() - 1}[where]] = bad_value
+    for first in (True, False):
+        result = ops.fold_finish_(triton_buffer, grads, 1.0, 0.5, first=first, backend="triton")
+        expected = ops.fold_finish_(reference_buffer, grads, 1.0, 0.5, first=first, backend="reference")
+        assert result[1] and expected[1]
+        assert torch.equal(torch.isnan(triton_buffer.data), torch.isnan(reference_buffer.data))
+        assert torch.equal(torch.isinf(triton_buffer.data), torch.isinf(reference_buffer.data))
+        _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+        _assert_close(result[0], expected[0], SUM_TOL)
+    _assert_padding_untouched(triton_buffer)
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("per_segment", [False, True], ids=["global", "per_segment"])
+@pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
+def test_sum_of_squares_matches_reference(shapes, per_segment, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+    result = ops.sum_of_squares(triton_buffer, per_segment=per_segment, backend="triton")
+    expected = ops.sum_of_squares(reference_buffer, per_segment=per_segment, backend="reference")
+    assert result.shape == expected.shape and result.dtype == expected.dtype
+    _assert_close(result, expected, SUM_TOL)
+    _assert_close(
+        ops.norm(triton_buffer, per_segment=per_segment, backend="triton"),
+        ops.norm(reference_buffer, per_segment=per_segment, backend="reference"),
+        SUM_TOL,
+    )
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+def test_reductions_are_bitwise_repeatable(accum_dtype):
+    triton_buffer, _ = _buffers(LAYOUTS["mixed"], accum_dtype)
+    grads = _grads(triton_buffer, [torch.bfloat16, torch.float32])
+    start = triton_buffer.data.clone()
+    totals, flags, globals_, per_segments = [], [], [], []
+    for _ in range(3):
+        triton_buffer.data.copy_(start)
+        total, flag = ops.fold_finish_(triton_buffer, grads, 0.7, 0.5, first=False, backend="triton")
+        totals.append(total)
+        flags.append(flag)
+        globals_.append(ops.sum_of_squares(triton_buffer, backend="triton"))
+        per_segments.append(ops.sum_of_squares(triton_buffer, per_segment=True, backend="triton"))
+    for values in (totals, flags, globals_, per_segments):
+        assert all(torch.equal(values[0], other) for other in values[1:])
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("coef", [0.37, torch.tensor(1.75)], ids=["number", "tensor"])
+@pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
+def test_scale_in_place_matches_reference(shapes, coef, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+    ops.scale_(triton_buffer, coef, backend="triton")
+    ops.scale_(reference_buffer, coef, backend="reference")
+    # One multiply in the buffer's dtype: IEEE fixes the result, so it must match exactly.
+    torch.testing.assert_close(triton_buffer.data, reference_buffer.data, rtol=0, atol=0)
+    _assert_padding_untouched(triton_buffer)
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+@pytest.mark.parametrize("out_dtype", **_ids(GRAD_DTYPES))
+def test_scale_into_out_matches_reference(out_dtype, accum_dtype):
+    triton_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    before = triton_buffer.data.clone()
+    out_sentinel = torch.tensor(SENTINEL, dtype=out_dtype).item()
+    triton_out = torch.full((triton_buffer.numel,), out_sentinel, dtype=out_dtype, device=DEVICE)
+    reference_out = triton_out.clone()
+    coef = torch.tensor(0.3)
+    ops.scale_(triton_buffer, coef, out=triton_out, backend="triton")
+    ops.scale_(reference_buffer, coef, out=reference_out, backend="reference")
+    # A multiply and a round-to-nearest-even cast (through float32, as torch casts): exact match.
+    torch.testing.assert_close(triton_out, reference_out, rtol=0, atol=0)
+    assert torch.equal(triton_buffer.data, before), "scale_ with out must leave the buffer unchanged"
+    assert torch.all(triton_out[_padding_mask(triton_buffer)] == out_sentinel)
+
+
+def test_scale_rounds_bfloat16_to_nearest_even():
+    # Halfway and just-above-halfway float32 values, where truncation and rounding disagree.
+    values = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-8 + 2.0**-20, -(1.0 + 3 * 2.0**-8)])
+    buffer = FlatGradBuffer([torch.empty(values.numel(), device=DEVICE)])
+    buffer.data[: values.numel()] = values
+    out = torch.empty(buffer.numel, dtype=torch.bfloat16, device=DEVICE)
+    ops.scale_(buffer, 1.0, out=out, backend="triton")
+    assert torch.equal(out[: values.numel()], values.to(torch.bfloat16))
+
+
+def _count_launches(monkeypatch) -> list[str]:
+    """Record the name of every Triton kernel launched, at the kernels' own launch entry point."""
+    from gafused.triton_backend.fold import _fold_kernel
+
+    launches: list[str] = []
+    kernel_type = type(_fold_kernel)  # JITFunction on a GPU, InterpretedFunction under TRITON_INTERPRET=1
+    original_run = kernel_type.run
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return original_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", counting_run)
+    return launches
+
+
+def test_launch_count_does_not_grow_with_parameters(monkeypatch):
+    launches = _count_launches(monkeypatch)
+    counts = {}
+    for n_params in (3, 300):
+        triton_buffer, _ = _buffers([(2,)] * n_params, torch.float32)
+        per_op = {}
+        for name, run in {
+            "fold": lambda b: ops.fold_(b, _grads(b, [torch.bfloat16]), 1.0, first=False, backend="triton"),
+            "fold_two_dtypes": lambda b: ops.fold_(
+                b, _grads(b, [torch.bfloat16, torch.float32]), 1.0, first=True, backend="triton"
+            ),
+            "fold_finish": lambda b: ops.fold_finish_(
+                b, _grads(b, [torch.float16], missing={0}), 1.0, 0.5, first=False, backend="triton"
+            ),
+            "sum_of_squares": lambda b: ops.sum_of_squares(b, per_segment=True, backend="triton"),
+            "scale": lambda b: ops.scale_(b, 0.5, backend="triton"),
+        }.items():
+            launches.clear()
+            run(triton_buffer)
+            per_op[name] = list(launches)
+        counts[n_params] = per_op
+    assert counts[3] == counts[300]
+    assert counts[300]["fold"] == ["_fold_kernel"]
+    assert counts[300]["fold_two_dtypes"] == ["_fold_kernel", "_fold_kernel"]
+    assert counts[300]["fold_finish"] == ["_fold_kernel", "_reduce_partials_kernel"]
+    assert counts[300]["sum_of_squares"] == ["_block_sum_of_squares_kernel", "_reduce_partials_kernel"]
+    assert counts[300]["scale"] == ["_scale_kernel"]
+
+
+def test_unavailable_reason():
+    assert unavailable_reason(DEVICE) is None
+    reason = unavailable_reason(torch.device("meta"))
+    assert reason is not None and "TRITON_INTERPRET=1" in reason
+
+
+def test_unavailable_on_cpu_without_interpreter():
+    # TRITON_INTERPRET is read when kernels are defined, so this needs a fresh interpreter process.
+    script = (
+        "import torch\n"
+        "from gafused.triton_backend import unavailable_reason\n"
+        "print(unavailable_reason(torch.device('cpu')))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert "TRITON_INTERPRET=1" in result.stdout
+
+
+def test_layout_outside_acc_is_rejected():
+    from gafused.triton_backend import sum_of_squares
+
+    acc = torch.randn(8, device=DEVICE)
+    with pytest.raises(ValueError, match="outside acc"):
+        sum_of_squares(acc, [4], [5], per_segment=False)
