@@ -32,9 +32,33 @@ def _cuda_build() -> tuple[list, dict]:
                 f"(CUDA {torch.version.cuda}) and CUDA_HOME={CUDA_HOME}"
             )
         return [], {}
-    if not torch.cuda.is_available() and not _flag("GAFUSED_FORCE_CUDA"):
+    gpu_visible = torch.cuda.is_available()
+    if not gpu_visible and not _flag("GAFUSED_FORCE_CUDA"):
         return [], {}
-    return [], {}
+
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    # Without a GPU torch cannot detect the target; build the architectures the kernels are checked for
+    # (A100, H100) rather than torch's long default list.
+    if not gpu_visible and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    # ninja otherwise starts one nvcc per core, and each can take GBs of memory.
+    if not os.environ.get("MAX_JOBS"):
+        os.environ["MAX_JOBS"] = str(max(1, min(os.cpu_count() or 1, 8)))
+
+    # Sources relative to this file, as setuptools wants them; the header directory absolute.
+    here = os.path.dirname(os.path.abspath(__file__))
+    csrc = "csrc"
+    sources = [os.path.join(csrc, "bindings.cpp")] + sorted(
+        os.path.join(csrc, name) for name in os.listdir(os.path.join(here, csrc)) if name.endswith(".cu")
+    )
+    extension = CUDAExtension(
+        name="gafused._C",
+        sources=sources,
+        include_dirs=[os.path.join(here, csrc)],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+    )
+    return [extension], {"build_ext": BuildExtension}
 
 
 ext_modules, cmdclass = _cuda_build()

@@ -1,0 +1,241 @@
+// Python bindings of gafused._C: argument checks, the per-call segment table, and kernel launches.
+//
+// Only CPU-available torch headers are used here (torch/extension.h, c10 core): the caller passes the CUDA
+// stream as an integer (torch.cuda.current_stream(device).cuda_stream), so nothing from ATen/cuda or
+// c10/cuda is needed and this file compiles against any torch build. The kernels live in the .cu files
+// behind gafused_kernels.h.
+#include <c10/core/DeviceGuard.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gafused_kernels.h"
+
+namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+std::optional<gafused::DType> dtype_code(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return gafused::kFloat32;
+    case at::kDouble:
+      return gafused::kFloat64;
+    case at::kBFloat16:
+      return gafused::kBFloat16;
+    case at::kHalf:
+      return gafused::kFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+// The stream integer from Python back into the handle it was made from.
+cudaStream_t as_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)); }
+
+void check_launch(const char* op, cudaError_t error) {
+  TORCH_CHECK(error == cudaSuccess, "gafused._C.", op, ": CUDA kernel launch failed: ", cudaGetErrorName(error), ": ",
+              cudaGetErrorString(error));
+}
+
+gafused::DType check_acc(const char* op, const at::Tensor& acc) {
+  TORCH_CHECK(acc.defined(), op, ": acc must be a tensor, got None");
+  TORCH_CHECK(acc.is_cuda(), op, ": acc must be a CUDA tensor, got one on ", acc.device());
+  TORCH_CHECK(acc.scalar_type() == at::kFloat || acc.scalar_type() == at::kDouble, op,
+              ": acc must be float32 or float64, got ", acc.scalar_type());
+  TORCH_CHECK(acc.dim() == 1, op, ": acc must be flat (1-d), got shape ", acc.sizes());
+  TORCH_CHECK(acc.is_contiguous(), op, ": acc must be contiguous");
+  return *dtype_code(acc.scalar_type());
+}
+
+void check_layout(const char* op, const at::Tensor& acc, const std::vector<int64_t>& offsets,
+                  const std::vector<int64_t>& numels) {
+  TORCH_CHECK(offsets.size() == numels.size(), op, ": offsets and numels must have the same length, got ",
+              offsets.size(), " and ", numels.size());
+  const int64_t size = acc.numel();
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    TORCH_CHECK(offsets[i] >= 0 && numels[i] >= 0, op, ": segment ", i, " has a negative offset or numel (",
+                offsets[i], ", ", numels[i], ")");
+    // Written as a subtraction so that huge values cannot overflow past the check.
+    TORCH_CHECK(offsets[i] <= size && numels[i] <= size - offsets[i], op, ": segment ", i, " [", offsets[i], ", ",
+                offsets[i], " + ", numels[i], ") ends past acc's ", size, " elements");
+  }
+}
+
+// A device scalar of acc's dtype on acc's device: kernels read it there, so no value crosses to the host.
+void check_scalar(const char* op, const char* name, const at::Tensor& value, const at::Tensor& acc) {
+  TORCH_CHECK(value.defined(), op, ": ", name, " must be a tensor, got None");
+  TORCH_CHECK(value.device() == acc.device(), op, ": ", name, " must be on acc's device ", acc.device(), ", got ",
+              value.device());
+  TORCH_CHECK(value.dim() == 0, op, ": ", name, " must be a 0-d tensor, got shape ", value.sizes());
+  TORCH_CHECK(value.scalar_type() == acc.scalar_type(), op, ": ", name, " must have acc's dtype ",
+              acc.scalar_type(), ", got ", value.scalar_type());
+}
+
+// The table in device memory and its view; the tensor must outlive the launches that read it (it does: the
+// caching allocator keeps the block for the stream until the launches are done).
+struct Table {
+  at::Tensor storage;
+  gafused::SegmentTable view;
+};
+
+// Builds the segment table of gafused_kernels.h on the host and copies it to acc's device on the current stream.
+// grads is null for ops without gradients. Segments without a gradient are left out when
+// keep_missing is false (a middle micro-batch does nothing to them).
+Table pack_table(const char* op, const at::Tensor& acc, const std::vector<OptionalTensor>* grads,
+                 const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels, bool keep_missing) {
+  check_layout(op, acc, offsets, numels);
+  if (grads != nullptr) {
+    TORCH_CHECK(grads->size() == offsets.size(), op, ": grads must hold one entry per segment (", offsets.size(),
+                "), got ", grads->size());
+  }
+  std::vector<int64_t> grad_ptrs, grad_dtypes, kept_offsets, kept_numels;
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    int64_t address = 0;
+    int64_t code = 0;
+    if (grads != nullptr) {
+      const OptionalTensor& grad = (*grads)[i];
+      if (!grad.has_value() || !grad->defined()) {
+        if (!keep_missing) continue;
+      } else {
+        TORCH_CHECK(grad->device() == acc.device(), op, ": grads[", i, "] is on ", grad->device(),
+                    ", acc on ", acc.device());
+        const auto grad_code = dtype_code(grad->scalar_type());
+        TORCH_CHECK(grad_code.has_value(), op, ": grads[", i,
+                    "] must be float32, float64, bfloat16 or float16, got ", grad->scalar_type());
+        TORCH_CHECK(grad->is_contiguous(), op, ": grads[", i, "] must be contiguous");
+        TORCH_CHECK(grad->numel() == numels[i], op, ": grads[", i, "] has ", grad->numel(),
+                    " elements, its segment ", numels[i]);
+        address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad->data_ptr()));
+        code = *grad_code;
+      }
+    }
+    grad_ptrs.push_back(address);
+    grad_dtypes.push_back(code);
+    kept_offsets.push_back(offsets[i]);
+    kept_numels.push_back(numels[i]);
+  }
+
+  const int64_t count = static_cast<int64_t>(kept_offsets.size());
+  // Pinned, so the copy below is asynchronous; the caching host allocator holds the block until it is done.
+  at::Tensor host =
+      at::empty({gafused::packed_table_size(count)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* packed = host.data_ptr<int64_t>();
+  int64_t num_chunks = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    packed[i] = grad_ptrs[i];
+    packed[count + i] = grad_dtypes[i];
+    packed[2 * count + i] = kept_offsets[i];
+    packed[3 * count + i] = kept_numels[i];
+    packed[4 * count + i] = num_chunks;
+    num_chunks += gafused::chunks_of(kept_numels[i]);
+  }
+  packed[5 * count] = num_chunks;
+
+  at::Tensor device_table = host.to(acc.device(), at::kLong, /*non_blocking=*/true);
+  return Table{device_table,
+               gafused::SegmentTable::from_packed(device_table.data_ptr<int64_t>(), count, num_chunks)};
+}
+
+void fold(const at::Tensor& acc, const std::vector<OptionalTensor>& grads, const std::vector<int64_t>& offsets,
+          const std::vector<int64_t>& numels, const at::Tensor& weight, bool first, int64_t stream) {
+  const char* op = "fold_";
+  const gafused::DType acc_dtype = check_acc(op, acc);
+  check_scalar(op, "weight", weight, acc);
+  const c10::DeviceGuard guard(acc.device());
+  const Table table = pack_table(op, acc, &grads, offsets, numels, /*keep_missing=*/first);
+  check_launch(op, gafused::launch_fold(acc_dtype, acc.data_ptr(), table.view, weight.data_ptr(), nullptr, first,
+                                        /*finish=*/false, nullptr, nullptr, as_stream(stream)));
+}
+
+std::tuple<at::Tensor, at::Tensor> fold_finish(const at::Tensor& acc, const std::vector<OptionalTensor>& grads,
+                                               const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                                               const at::Tensor& weight, const at::Tensor& scale, bool first,
+                                               int64_t stream) {
+  const char* op = "fold_finish_";
+  const gafused::DType acc_dtype = check_acc(op, acc);
+  check_scalar(op, "weight", weight, acc);
+  check_scalar(op, "scale", scale, acc);
+  const c10::DeviceGuard guard(acc.device());
+  // Every segment is scaled and measured, with or without a gradient.
+  const Table table = pack_table(op, acc, &grads, offsets, numels, /*keep_missing=*/true);
+  const int64_t num_chunks = table.view.num_chunks;
+  at::Tensor chunk_sums = at::empty({num_chunks}, acc.options());
+  at::Tensor chunk_nonfinite = at::empty({num_chunks}, acc.options().dtype(at::kByte));
+  at::Tensor total = at::empty({}, acc.options());
+  at::Tensor nonfinite = at::empty({}, acc.options().dtype(at::kBool));
+  check_launch(op, gafused::launch_fold(acc_dtype, acc.data_ptr(), table.view, weight.data_ptr(), scale.data_ptr(),
+                                        first, /*finish=*/true, chunk_sums.data_ptr(),
+                                        chunk_nonfinite.data_ptr<uint8_t>(), as_stream(stream)));
+  check_launch(op, gafused::launch_reduce_chunks(acc_dtype, chunk_sums.data_ptr(), chunk_nonfinite.data_ptr<uint8_t>(),
+                                                 num_chunks, total.data_ptr(), nonfinite.data_ptr<bool>(),
+                                                 as_stream(stream)));
+  return {total, nonfinite};
+}
+
+at::Tensor sum_of_squares(const at::Tensor& acc, const std::vector<int64_t>& offsets,
+                          const std::vector<int64_t>& numels, bool per_segment, int64_t stream) {
+  const char* op = "sum_of_squares";
+  const gafused::DType acc_dtype = check_acc(op, acc);
+  const c10::DeviceGuard guard(acc.device());
+  const Table table = pack_table(op, acc, nullptr, offsets, numels, /*keep_missing=*/true);
+  const int64_t num_chunks = table.view.num_chunks;
+  at::Tensor chunk_sums = at::empty({num_chunks}, acc.options());
+  check_launch(op, gafused::launch_chunk_sums_of_squares(acc_dtype, acc.data_ptr(), table.view, chunk_sums.data_ptr(),
+                                                         as_stream(stream)));
+  if (per_segment) {
+    at::Tensor result = at::empty({static_cast<int64_t>(offsets.size())}, acc.options());
+    check_launch(op, gafused::launch_reduce_chunks_per_segment(acc_dtype, chunk_sums.data_ptr(), table.view,
+                                                               result.data_ptr(), as_stream(stream)));
+    return result;
+  }
+  at::Tensor total = at::empty({}, acc.options());
+  check_launch(op, gafused::launch_reduce_chunks(acc_dtype, chunk_sums.data_ptr(), nullptr, num_chunks,
+                                                 total.data_ptr(), nullptr, as_stream(stream)));
+  return total;
+}
+
+void scale(const at::Tensor& acc, const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+           const at::Tensor& coef, const OptionalTensor& out, int64_t stream) {
+  const char* op = "scale_";
+  const gafused::DType acc_dtype = check_acc(op, acc);
+  check_scalar(op, "coef", coef, acc);
+  gafused::DType out_dtype = acc_dtype;
+  void* out_ptr = nullptr;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->device() == acc.device(), op, ": out must be on acc's device ", acc.device(), ", got ",
+                out->device());
+    const auto code = dtype_code(out->scalar_type());
+    TORCH_CHECK(code.has_value(), op, ": out must be float32, float64, bfloat16 or float16, got ",
+                out->scalar_type());
+    TORCH_CHECK(out->dim() == 1 && out->numel() == acc.numel(), op, ": out must be flat with acc's ", acc.numel(),
+                " elements, got shape ", out->sizes());
+    TORCH_CHECK(out->is_contiguous(), op, ": out must be contiguous");
+    out_dtype = *code;
+    out_ptr = out->data_ptr();
+  }
+  const c10::DeviceGuard guard(acc.device());
+  const Table table = pack_table(op, acc, nullptr, offsets, numels, /*keep_missing=*/true);
+  check_launch(op, gafused::launch_scale(acc_dtype, acc.data_ptr(), out_dtype, out_ptr, table.view, coef.data_ptr(),
+                                         as_stream(stream)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gafused CUDA kernels; call them through gafused.cuda_backend, which passes the current stream.";
+  m.def("fold_", &fold, "acc[seg] = (0 if first else acc[seg]) + weight * grads[seg]", py::arg("acc"),
+        py::arg("grads"), py::arg("offsets"), py::arg("numels"), py::arg("weight"), py::arg("first"),
+        py::arg("stream"));
+  m.def("fold_finish_", &fold_finish, "fold_, then every segment *= scale; returns (sum of squares, any non-finite)",
+        py::arg("acc"), py::arg("grads"), py::arg("offsets"), py::arg("numels"), py::arg("weight"), py::arg("scale"),
+        py::arg("first"), py::arg("stream"));
+  m.def("sum_of_squares", &sum_of_squares, "deterministic sum of squares, total (0-d) or per segment",
+        py::arg("acc"), py::arg("offsets"), py::arg("numels"), py::arg("per_segment"), py::arg("stream"));
+  m.def("scale_", &scale, "every segment *= coef, in place or cast into out", py::arg("acc"), py::arg("offsets"),
+        py::arg("numels"), py::arg("coef"), py::arg("out"), py::arg("stream"));
+}

@@ -1,0 +1,378 @@
+"""The cuda backend (gafused._C) against the reference backend, and against triton where it runs.
+
+The kernels round exactly where the reference does (one rounding per multiply, add, cast), so folded and
+scaled buffers must match it bit for bit; sums of squares add in another order and match within a tolerance
+that follows the dtype, and must be bitwise repeatable. GPU tests skip without a CUDA device (conftest).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import pytest
+import torch
+
+from gafused import ops, reference
+from gafused.buffer import FlatGradBuffer
+
+ACCUM_DTYPES = [torch.float32, torch.float64]
+GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+# Empty, one element, odd, around the 8192-element chunk, and past 2**16.
+SIZES = [0, 1, 3, 8191, 8193, 70001]
+# Sums of ~10^5 squares in another order than torch's.
+SUM_RTOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+MODES = {
+    "first": dict(first=True, finish=False),
+    "middle": dict(first=False, finish=False),
+    "last": dict(first=False, finish=True),
+    "first_and_last": dict(first=True, finish=True),
+}
+LAYOUTS = ["aligned", "misaligned"]
+
+
+# --- CPU: the backend is reported missing, never used silently ------------------------------------------------
+
+
+def test_cuda_backend_on_cpu_raises_with_install_command():
+    with pytest.raises(RuntimeError) as info:
+        ops.resolve_backend("cuda", "cpu")
+    assert ops.INSTALL_HINTS["cuda"] in str(info.value)
+
+
+def test_available_backends_on_cpu_exclude_cuda():
+    names = ops.available_backends("cpu")
+    assert "cuda" not in names
+    assert "reference" in names
+
+
+def test_cuda_backend_import_failure_or_cpu_refusal_is_explained():
+    try:
+        from gafused import cuda_backend
+    except ImportError as error:
+        assert "gafused._C" in str(error)
+    else:
+        reason = cuda_backend.unavailable_reason(torch.device("cpu"))
+        assert reason is not None and "CUDA devices only" in reason
+
+
+# --- GPU helpers ------------------------------------------------------------------------------------------
+
+
+def _backend():
+    from gafused import cuda_backend
+
+    return cuda_backend
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    # Mixed magnitudes so that rounding differences, if any, show up in the low bits.
+    values = torch.randn(numel, generator=gen, device="cuda", dtype=torch.float64)
+    values *= torch.exp2(torch.randint(-6, 7, (numel,), generator=gen, device="cuda")).double()
+    return values.to(dtype)
+
+
+def _layout(numels: list[int], layout: str) -> tuple[list[int], int]:
+    """Segment offsets and total size: 16-element aligned starts, or odd starts so no segment is 16-byte aligned."""
+    offsets, cursor = [], 0
+    for numel in numels:
+        if layout == "misaligned":
+            cursor += 1 if cursor % 2 == 0 else 2  # odd start
+        else:
+            cursor = (cursor + 15) // 16 * 16 + 16  # aligned start after a 16-element gap
+        offsets.append(cursor)
+        cursor += numel
+    return offsets, cursor + 7
+
+
+def _padding_mask(size: int, offsets: list[int], numels: list[int]) -> torch.Tensor:
+    mask = torch.ones(size, dtype=torch.bool, device="cuda")
+    for start, numel in zip(offsets, numels, strict=True):
+        mask[start : start + numel] = False
+    return mask
+
+
+def _accumulator(size: int, offsets: list[int], numels: list[int], dtype: torch.dtype, gen) -> torch.Tensor:
+    """Random segments; NaN padding, so a kernel that reads padding poisons its sums and flags."""
+    acc = _random(size, dtype, gen)
+    acc[_padding_mask(size, offsets, numels)] = float("nan")
+    return acc
+
+
+def _grad(numel: int, dtype: torch.dtype, layout: str, gen) -> torch.Tensor:
+    if layout == "misaligned":
+        # A contiguous view one element into its storage: not aligned for wide loads.
+        return _random(numel + 1, dtype, gen)[1:]
+    return _random(numel, dtype, gen)
+
+
+def _case(accum_dtype: torch.dtype, layout: str, seed: int, missing: tuple[int, ...] = (1, 9)):
+    """Segments of every size for every gradient dtype, some without a gradient."""
+    gen = _generator(seed)
+    numels = [numel for _ in GRAD_DTYPES for numel in SIZES]
+    dtypes = [dtype for dtype in GRAD_DTYPES for _ in SIZES]
+    offsets, size = _layout(numels, layout)
+    acc = _accumulator(size, offsets, numels, accum_dtype, gen)
+    grads = [
+        None if i in missing else _grad(n, d, layout, gen) for i, (n, d) in enumerate(zip(numels, dtypes, strict=True))
+    ]
+    return acc, grads, offsets, numels
+
+
+def _scalar(value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(value, dtype=dtype, device="cuda")
+
+
+def _assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def _fold(module, acc, grads, offsets, numels, weight, scale, first, finish):
+    if finish:
+        return module.fold_finish_(acc, grads, offsets, numels, weight, scale, first)
+    module.fold_(acc, grads, offsets, numels, weight, first)
+    return None
+
+
+# --- GPU: fold ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_fold_matches_reference_bitwise(accum_dtype, mode, layout):
+    first, finish = MODES[mode]["first"], MODES[mode]["finish"]
+    acc, grads, offsets, numels = _case(accum_dtype, layout, seed=zlib.crc32(f"{accum_dtype}{mode}{layout}".encode()))
+    expected = acc.clone()
+    weight, scale = _scalar(0.37, accum_dtype), _scalar(1 / 3, accum_dtype)
+
+    result = _fold(_backend(), acc, grads, offsets, numels, weight, scale, first, finish)
+    expected_result = _fold(reference, expected, grads, offsets, numels, weight, scale, first, finish)
+
+    _assert_bitwise(acc, expected)  # segments, and NaN padding left as it was
+    if finish:
+        total, nonfinite = result
+        expected_total, expected_nonfinite = expected_result
+        assert total.dtype == accum_dtype and total.shape == () and total.device == acc.device
+        assert nonfinite.dtype == torch.bool and nonfinite.shape == ()
+        assert not bool(nonfinite) and not bool(expected_nonfinite)
+        torch.testing.assert_close(total, expected_total, rtol=SUM_RTOL[accum_dtype], atol=0)
+        segments = [acc[start : start + numel].double() for start, numel in zip(offsets, numels, strict=True)]
+        exact = sum(float(segment.square().sum()) for segment in segments)
+        assert float(total) == pytest.approx(exact, rel=SUM_RTOL[accum_dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_window_of_micro_batches_matches_reference(accum_dtype):
+    """first, middle, middle, last on the same buffer, with changing grads and None patterns."""
+    gen = _generator(7)
+    numels = [70001, 3, 8192, 1, 0, 12345]
+    offsets, size = _layout(numels, "aligned")
+    acc = _accumulator(size, offsets, numels, accum_dtype, gen)
+    expected = acc.clone()
+    steps = [(True, False, {1}), (False, False, set()), (False, False, {0, 2}), (False, True, {3})]
+    for step, (first, finish, missing) in enumerate(steps):
+        dtype = GRAD_DTYPES[step % len(GRAD_DTYPES)]
+        grads = [None if i in missing else _random(n, dtype, gen) for i, n in enumerate(numels)]
+        weight, scale = _scalar(float(step + 1), accum_dtype), _scalar(1 / 10, accum_dtype)
+        result = _fold(_backend(), acc, grads, offsets, numels, weight, scale, first, finish)
+        expected_result = _fold(reference, expected, grads, offsets, numels, weight, scale, first, finish)
+        _assert_bitwise(acc, expected)
+    torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[accum_dtype], atol=0)
+    assert not bool(result[1]) and not bool(expected_result[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_fold_finish_flags_nonfinite(accum_dtype, position, value):
+    gen = _generator(11)
+    numels = [5, 70001, 8193]
+    offsets, size = _layout(numels, "aligned")
+    acc = _accumulator(size, offsets, numels, accum_dtype, gen)
+    expected = acc.clone()
+    grads = [_random(n, torch.bfloat16, gen) for n in numels]
+    index = {"first": 0, "middle": numels[1] // 2, "last": numels[1] - 1}[position]
+    grads[1][index] = value
+    weight, scale = _scalar(1.0, accum_dtype), _scalar(0.5, accum_dtype)
+
+    total, nonfinite = _backend().fold_finish_(acc, grads, offsets, numels, weight, scale, False)
+    expected_total, expected_nonfinite = reference.fold_finish_(expected, grads, offsets, numels, weight, scale, False)
+
+    _assert_bitwise(acc, expected)
+    assert bool(nonfinite) and bool(expected_nonfinite)
+    torch.testing.assert_close(total, expected_total, equal_nan=True)  # inf, or nan for nan and inf - inf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_fold_finish_on_buffer_through_ops(accum_dtype):
+    """The public op on a FlatGradBuffer with backend='cuda' (custom op, dispatch, scalars as numbers)."""
+    gen = _generator(3)
+    params = [torch.empty(shape, device="cuda") for shape in [(7, 13), (1,), (300, 301), (0,), (4097,)]]
+    buffer, expected = FlatGradBuffer(params, accum_dtype), FlatGradBuffer(params, accum_dtype)
+    for step in range(3):
+        grads = [_random(p.numel(), torch.bfloat16, gen).view(p.shape) for p in params]
+        if step < 2:
+            ops.fold_(buffer, grads, 2.0, first=step == 0, backend="cuda")
+            ops.fold_(expected, grads, 2.0, first=step == 0, backend="reference")
+        else:
+            result = ops.fold_finish_(buffer, grads, 2.0, 1 / 6, first=False, backend="cuda")
+            expected_result = ops.fold_finish_(expected, grads, 2.0, 1 / 6, first=False, backend="reference")
+        _assert_bitwise(buffer.data, expected.data)
+    torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[accum_dtype], atol=0)
+    assert bool(result[1]) is False
+
+
+@pytest.mark.gpu
+def test_fold_past_int32_offsets():
+    """Segments that cross and start past element 2**31 of the buffer (int64 offsets in the kernels)."""
+    size = 2**31 + 2**16
+    if torch.cuda.mem_get_info()[0] < size * 4 + 2**30:
+        pytest.skip(f"needs {size * 4 / 2**30 + 1:.0f} GiB of free GPU memory")
+    gen = _generator(5)
+    numels = [20001, 9000]
+    offsets = [2**31 - 10000, 2**31 + 30003]  # windows below do not overlap
+    acc = torch.zeros(size, dtype=torch.float32, device="cuda")
+    # The reference runs on a small copy holding only the neighbourhood of each segment (the contract does not
+    # depend on where a segment lies), so the comparison needs no second 8 GiB buffer.
+    margin = 64
+    windows = [slice(start - margin, start + numel + margin) for start, numel in zip(offsets, numels, strict=True)]
+    local_offsets = [margin, (numels[0] + 2 * margin) + margin]
+    expected = torch.cat([acc[window] for window in windows])
+    weight, scale = _scalar(0.75, torch.float32), _scalar(0.5, torch.float32)
+    for first in (True, False):
+        grads = [_random(n, torch.bfloat16, gen) for n in numels]
+        _backend().fold_(acc, grads, offsets, numels, weight, first)
+        reference.fold_(expected, grads, local_offsets, numels, weight, first)
+    grads = [_random(n, torch.bfloat16, gen) for n in numels]
+    total, nonfinite = _backend().fold_finish_(acc, grads, offsets, numels, weight, scale, False)
+    expected_total, _ = reference.fold_finish_(expected, grads, local_offsets, numels, weight, scale, False)
+
+    _assert_bitwise(torch.cat([acc[window] for window in windows]), expected)
+    torch.testing.assert_close(total, expected_total, rtol=SUM_RTOL[torch.float32], atol=0)
+    assert not bool(nonfinite)
+
+
+# --- GPU: sum of squares, scale ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_segment", [False, True], ids=["total", "per_segment"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_sum_of_squares_matches_reference_and_repeats_bitwise(accum_dtype, layout, per_segment):
+    acc, _, offsets, numels = _case(accum_dtype, layout, seed=21)
+    before = acc.clone()
+    result = _backend().sum_of_squares(acc, offsets, numels, per_segment)
+    again = _backend().sum_of_squares(acc, offsets, numels, per_segment)
+    expected = reference.sum_of_squares(acc, offsets, numels, per_segment)
+
+    _assert_bitwise(acc, before)  # read only
+    assert result.dtype == accum_dtype and result.shape == expected.shape
+    assert torch.equal(result, again)
+    torch.testing.assert_close(result, expected, rtol=SUM_RTOL[accum_dtype], atol=0)
+    exact = torch.stack([acc[s : s + n].double().square().sum() for s, n in zip(offsets, numels, strict=True)])
+    torch.testing.assert_close(
+        result.double(), exact if per_segment else exact.sum(), rtol=SUM_RTOL[accum_dtype], atol=0
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_fold_finish_sum_repeats_bitwise(accum_dtype):
+    acc, grads, offsets, numels = _case(accum_dtype, "aligned", seed=31)
+    start = acc.clone()
+    weight, scale = _scalar(0.9, accum_dtype), _scalar(0.25, accum_dtype)
+    totals = []
+    for _ in range(3):
+        acc.copy_(start)
+        totals.append(_backend().fold_finish_(acc, grads, offsets, numels, weight, scale, False)[0])
+    assert all(torch.equal(totals[0], total) for total in totals[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("out_dtype", [None, *GRAD_DTYPES], ids=lambda d: "in_place" if d is None else str(d))
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_scale_matches_reference_bitwise(accum_dtype, out_dtype, layout):
+    acc, _, offsets, numels = _case(accum_dtype, layout, seed=41)
+    expected = acc.clone()
+    coef = _scalar(0.3, accum_dtype)
+    out = expected_out = None
+    if out_dtype is not None:
+        # Random contents, so padding that is written (or segments that are not) shows.
+        gen = _generator(42)
+        out = _random(acc.numel(), out_dtype, gen)
+        expected_out = out.clone()
+
+    _backend().scale_(acc, offsets, numels, coef, out)
+    reference.scale_(expected, offsets, numels, coef, expected_out)
+
+    _assert_bitwise(acc, expected)
+    if out is not None:
+        _assert_bitwise(out, expected_out)
+
+
+# --- GPU: against triton, argument checks --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
+def test_matches_triton_backend(accum_dtype):
+    reason = ops.backend_unavailable_reason("triton", "cuda")
+    if reason is not None:
+        pytest.skip(f"triton backend unavailable: {reason}")
+    from gafused import triton_backend
+
+    acc, grads, offsets, numels = _case(accum_dtype, "aligned", seed=51)
+    other = acc.clone()
+    weight, scale = _scalar(1.5, accum_dtype), _scalar(0.125, accum_dtype)
+    for module, buffer in ((_backend(), acc), (triton_backend, other)):
+        module.fold_(buffer, grads, offsets, numels, weight, True)
+    result = _backend().fold_finish_(acc, grads, offsets, numels, weight, scale, False)
+    expected = triton_backend.fold_finish_(other, grads, offsets, numels, weight, scale, False)
+    # Triton may contract multiply-add into one fma (one rounding where the reference has two): a few ulps of
+    # the operands' magnitude apart, which is relative error without bound where old + g * w nearly cancels.
+    eps = torch.finfo(accum_dtype).eps
+    atol = 4 * eps * float(acc.nan_to_num(0.0).abs().max())
+    torch.testing.assert_close(acc, other, rtol=4 * eps, atol=atol, equal_nan=True)
+    torch.testing.assert_close(result[0], expected[0], rtol=SUM_RTOL[accum_dtype], atol=0)
+    assert bool(result[1]) == bool(expected[1])
+    torch.testing.assert_close(
+        _backend().sum_of_squares(acc, offsets, numels, True),
+        triton_backend.sum_of_squares(acc, offsets, numels, True),
+        rtol=SUM_RTOL[accum_dtype],
+        atol=0,
+    )
+
+
+@pytest.mark.gpu
+def test_argument_errors_name_the_argument():
+    from gafused import _C
+
+    stream = torch.cuda.current_stream().cuda_stream
+    acc = torch.zeros(64, device="cuda")
+    weight = _scalar(1.0, torch.float32)
+    grad = torch.ones(8, device="cuda")
+    cases = [
+        (lambda: _C.fold_(acc, [grad.cpu()], [0], [8], weight, True, stream), "grads[0] is on cpu"),
+        (lambda: _C.fold_(acc.half(), [grad], [0], [8], weight.half(), True, stream), "acc must be float32 or float64"),
+        (lambda: _C.fold_(acc, [grad], [60], [8], weight, True, stream), "ends past"),
+        (lambda: _C.fold_(acc, [grad], [0], [7], weight, True, stream), "grads[0] has 8 elements"),
+        (lambda: _C.fold_(acc, [torch.ones(4, 2, device="cuda").t()], [0], [8], weight, True, stream), "contiguous"),
+        (lambda: _C.fold_(acc, [grad], [0], [8], weight.cpu(), True, stream), "weight must be on acc's device"),
+        (lambda: _C.fold_(acc, [grad.int()], [0], [8], weight, True, stream), "grads[0] must be float32"),
+        (lambda: _C.scale_(acc, [0], [8], weight, torch.zeros(63, device="cuda"), stream), "out must be flat"),
+        (lambda: _C.sum_of_squares(acc.cpu(), [0], [8], False, stream), "acc must be a CUDA tensor"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            call()
