@@ -371,14 +371,14 @@ class GradAccumulator:
         self.grad_norm = norm
 
         nonfinite, bad = torch.stack([found_inf, bad_weight]).tolist()
-        if self.grad_scaler is not None:
-            self._update_grad_scaler(found_inf)
-        if bad:
+        if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
             raise ValueError(
                 "weight: a tensor weight given to step() in this window was negative, nan or inf; the window "
                 "was discarded and the inner optimizer did not step"
             )
+        if self.grad_scaler is not None:
+            self._update_grad_scaler(found_inf)
         if nonfinite:
             self.skipped_steps += 1
             self._discard_window()
