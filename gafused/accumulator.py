@@ -209,10 +209,12 @@ class GradAccumulator:
             if last:
                 scale = weight_sum.reciprocal().to(group.buffer.device, non_blocking=True)
                 results.append(
-                    ops.fold_finish_(group.buffer, group_grads, group_weight, scale, first=first, backend=group.backend)
+                    ops.fold_finish_(
+                        group.buffer, group_grads, group_weight, scale, first=first, backend=group.backend, check=False
+                    )
                 )
             else:
-                ops.fold_(group.buffer, group_grads, group_weight, first=first, backend=group.backend)
+                ops.fold_(group.buffer, group_grads, group_weight, first=first, backend=group.backend, check=False)
             group.had_grad = [had or grad is not None for had, grad in zip(group.had_grad, group_grads, strict=True)]
             for param in group.params:
                 param.grad = None  # folded: release the memory now
@@ -309,25 +311,11 @@ class GradAccumulator:
             raise ValueError(f"weight must be a non-negative finite number, got {value!r}")
 
     def _collect_grads(self) -> list[list[torch.Tensor | None]]:
-        grads_per_group = []
-        for group in self._groups:
-            grads: list[torch.Tensor | None] = []
-            for param, name in zip(group.params, group.names, strict=True):
-                grad = param.grad
-                if grad is not None:
-                    if grad.layout != torch.strided:
-                        raise ValueError(f"{name}: sparse gradients are not supported (layout {grad.layout})")
-                    if grad.is_complex() or not grad.is_floating_point():
-                        raise ValueError(f"{name}: gradients must be real floating point, got {grad.dtype}")
-                    if grad.shape != param.shape or grad.device != param.device:
-                        raise ValueError(
-                            f"{name}: gradient of shape {tuple(grad.shape)} on {grad.device} does not match the "
-                            f"parameter ({tuple(param.shape)} on {param.device})"
-                        )
-                    grad = grad.detach()
-                grads.append(grad)
-            grads_per_group.append(grads)
-        return grads_per_group
+        """Every group's gradients, checked before any buffer changes (so a refused step changes nothing)."""
+        return [
+            ops.check_grads(group.buffer, [param.grad for param in group.params], group.names)
+            for group in self._groups
+        ]
 
     def _start_window(self) -> None:
         for group in self._groups:

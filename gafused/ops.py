@@ -32,8 +32,10 @@ from gafused.buffer import FlatGradBuffer
 
 __all__ = [
     "BACKENDS",
+    "GRAD_DTYPES",
     "available_backends",
     "backend_unavailable_reason",
+    "check_grads",
     "fold_",
     "fold_finish_",
     "norm",
@@ -219,27 +221,59 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _check_grads(buffer: FlatGradBuffer, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+GRAD_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def check_grads(
+    buffer: FlatGradBuffer,
+    grads: Sequence[torch.Tensor | None],
+    names: Sequence[str] | None = None,
+) -> list[torch.Tensor | None]:
+    """Check micro-batch gradients against the buffer's layout; returns them, made contiguous where needed.
+
+    This is the check ``fold_`` and ``fold_finish_`` run; a caller that runs it first (GradAccumulator does,
+    for every buffer before folding any, so a refused step changes nothing) passes ``check=False`` to them.
+    It is one cheap pass: the host cost per parameter is what bounds a fused micro-step.
+
+    Args:
+        buffer: the accumulation buffer.
+        grads: one gradient or None per segment.
+        names: how to name segment ``i`` in an error (default ``grads[i]``).
+    """
     grads = list(grads)
     if len(grads) != len(buffer):
         raise ValueError(f"grads must hold one entry per buffer segment ({len(buffer)}), got {len(grads)}")
-    checked: list[torch.Tensor | None] = []
+    device, numels = buffer.device, buffer.numels
     for index, grad in enumerate(grads):
         if grad is None:
-            checked.append(None)
             continue
-        if not isinstance(grad, torch.Tensor):
-            raise TypeError(f"grads[{index}] must be a tensor or None, got {type(grad).__name__}")
-        if grad.layout != torch.strided:
-            raise ValueError(f"grads[{index}] must be a dense (strided) tensor, got layout {grad.layout}")
-        if grad.is_complex() or not grad.is_floating_point():
-            raise ValueError(f"grads[{index}] must be a real floating-point tensor, got dtype {grad.dtype}")
-        if grad.device != buffer.device:
-            raise ValueError(f"grads[{index}] is on {grad.device}, the buffer on {buffer.device}")
-        if grad.numel() != buffer.numels[index]:
-            raise ValueError(f"grads[{index}] has {grad.numel()} elements, its segment {buffer.numels[index]}")
-        checked.append(grad if grad.is_contiguous() else grad.contiguous())
-    return checked
+        if (
+            not isinstance(grad, torch.Tensor)
+            or grad.dtype not in GRAD_DTYPES
+            or grad.layout != torch.strided
+            or grad.device != device
+            or grad.numel() != numels[index]
+        ):
+            raise _bad_grad(buffer, index, grad, names)
+        if grad.requires_grad:  # a gradient with a graph of its own (create_graph=True): fold its value
+            grads[index] = grad = grad.detach()
+        if not grad.is_contiguous():
+            grads[index] = grad.contiguous()
+    return grads
+
+
+def _bad_grad(buffer: FlatGradBuffer, grads_index: int, grad: object, names: Sequence[str] | None) -> Exception:
+    """The precise error for a gradient that failed ``check_grads``'s combined test."""
+    label = f"grads[{grads_index}]" if names is None else names[grads_index]
+    if not isinstance(grad, torch.Tensor):
+        return TypeError(f"{label}: a gradient must be a tensor or None, got {type(grad).__name__}")
+    if grad.layout != torch.strided:
+        return ValueError(f"{label}: sparse gradients are not supported (layout {grad.layout})")
+    if grad.dtype not in GRAD_DTYPES:
+        return ValueError(f"{label}: gradients must be real floating point (fp16/bf16/fp32/fp64), got {grad.dtype}")
+    if grad.device != buffer.device:
+        return ValueError(f"{label}: the gradient is on {grad.device}, the buffer on {buffer.device}")
+    return ValueError(f"{label}: the gradient has {grad.numel()} elements, its segment {buffer.numels[grads_index]}")
 
 
 def fold_(
@@ -249,6 +283,7 @@ def fold_(
     *,
     first: bool,
     backend: str = "auto",
+    check: bool = True,
 ) -> None:
     """Fold one micro-batch into the buffer: acc[seg] = (0 if first else acc[seg]) + weight * grads[seg].
 
@@ -258,8 +293,9 @@ def fold_(
         weight: the micro-batch weight, a number or a 0-d tensor (stays on the device).
         first: the first micro-batch of a window overwrites instead of adding (no zeroing pass needed).
         backend: ``"auto"`` or a name from ``BACKENDS``.
+        check: run ``check_grads`` (False only when the caller just ran it on the same grads).
     """
-    checked = _check_grads(buffer, grads)
+    checked = check_grads(buffer, grads) if check else list(grads)
     w = _scalar(weight, "weight", buffer)
     name = resolve_backend(backend, buffer.device)
     _fold_op(buffer.data, checked, buffer.offsets, buffer.numels, w, first, name)
@@ -273,6 +309,7 @@ def fold_finish_(
     *,
     first: bool,
     backend: str = "auto",
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold the last micro-batch, multiply every segment by ``scale``, and measure the result.
 
@@ -283,12 +320,13 @@ def fold_finish_(
         scale: the window scale (1 / sum of weights), a number or 0-d tensor.
         first: as in ``fold_`` (a window of one micro-batch).
         backend: ``"auto"`` or a name from ``BACKENDS``.
+        check: as in ``fold_``.
 
     Returns:
         (sum of squares of the finished segments as a 0-d tensor of the buffer's dtype,
         0-d bool tensor: any finished element is inf or nan), both on the buffer's device.
     """
-    checked = _check_grads(buffer, grads)
+    checked = check_grads(buffer, grads) if check else list(grads)
     w = _scalar(weight, "weight", buffer)
     s = _scalar(scale, "scale", buffer)
     name = resolve_backend(backend, buffer.device)

@@ -219,3 +219,19 @@ def test_ops_are_torch_library_ops_and_trace_under_compile():
     torch.testing.assert_close(torch.cat([buffer.segment(0), buffer.segment(1)]), expected)
     torch.testing.assert_close(sumsq, expected.square().sum())
     assert not bool(nonfinite)
+
+
+def test_check_grads_names_segments_detaches_and_makes_contiguous():
+    buffer = _buffer([(3,), (2,)])
+    names = ["layer.weight", "layer.bias"]
+    with pytest.raises(ValueError, match="layer.bias: the gradient has 3 elements, its segment 2"):
+        ops.check_grads(buffer, [torch.randn(3), torch.randn(3)], names=names)
+    with pytest.raises(ValueError, match="layer.weight: sparse"):
+        ops.check_grads(buffer, [torch.randn(3).to_sparse(), None], names=names)
+    with_graph = torch.randn(3, requires_grad=True) * 2
+    strided = torch.randn(2, 2)[:, 0]
+    checked = ops.check_grads(buffer, [with_graph, strided])
+    assert not checked[0].requires_grad and torch.equal(checked[0], with_graph.detach())
+    assert checked[1].is_contiguous() and torch.equal(checked[1], strided)
+    ops.fold_(buffer, checked, 1.0, first=True, backend="reference", check=False)
+    torch.testing.assert_close(buffer.view(1), strided)
