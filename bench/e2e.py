@@ -1,0 +1,193 @@
+"""End-to-end: one optimizer step of a small GPT, big batch against micro-batches x N.
+
+Three recipes reach the same global batch:
+- ``big batch``: one forward/backward over the whole batch, ``clip_grad_norm_``, ``optimizer.step()``;
+- ``plain accumulation``: N micro-batches with ``(loss / N).backward()`` accumulating in ``.grad``, then
+  ``clip_grad_norm_`` and ``optimizer.step()`` (the PyTorch recipe);
+- ``gafused``: N micro-batches with ``loss.backward(); acc.step(); acc.zero_grad()``.
+
+Each recipe gets a fresh model from the same seed and a fresh AdamW. Times are per optimizer step; peak
+memory is ``torch.cuda.max_memory_allocated`` over one step on GPU and is not measured on CPU (the process's
+peak RSS never goes down, so a delta over it would not be a per-recipe number).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from timing import Timer
+from torch import nn
+
+import gafused
+
+__all__ = ["TinyGPTConfig", "TinyGPT", "run_e2e"]
+
+
+@dataclass(frozen=True)
+class TinyGPTConfig:
+    """Model and batch sizes of the end-to-end benchmark."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    seq_len: int
+    batch: int
+    accumulation_steps: int
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch // self.accumulation_steps
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, 4 * hidden)
+        self.fc_proj = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(hidden, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-shaped decoder (learned positions, pre-LayerNorm blocks, head tied to the embedding)."""
+
+    def __init__(self, config: TinyGPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab, config.hidden)
+        self.wpe = nn.Embedding(config.seq_len, config.hidden)
+        self.blocks = nn.ModuleList(_Block(config.hidden, config.heads) for _ in range(config.layers))
+        self.ln_f = nn.LayerNorm(config.hidden)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def config_for(device: torch.device, quick: bool) -> TinyGPTConfig:
+    """GPT-2 124M at sequence 1024 on GPU; a tiny model on CPU (and in ``--quick``)."""
+    if device.type == "cuda" and not quick:
+        return TinyGPTConfig(vocab=50257, hidden=768, layers=12, heads=12, seq_len=1024, batch=4, accumulation_steps=4)
+    if quick:
+        return TinyGPTConfig(vocab=512, hidden=64, layers=2, heads=2, seq_len=64, batch=4, accumulation_steps=4)
+    return TinyGPTConfig(vocab=2048, hidden=128, layers=4, heads=4, seq_len=128, batch=4, accumulation_steps=4)
+
+
+def run_e2e(device: torch.device, quick: bool, timer: Timer, max_grad_norm: float = 1.0) -> dict:
+    """Time one optimizer step of each recipe; returns the config and one row per recipe.
+
+    Args:
+        device: where the model trains.
+        quick: smaller model (the smoke run).
+        timer: the run's timer (its budget and repetitions apply to whole optimizer steps).
+        max_grad_norm: clip threshold of every recipe.
+    """
+    device = torch.device(device)
+    config = config_for(device, quick)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=generator).to(device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    micro = config.micro_batch
+    micro_batches = [(inputs[i : i + micro], targets[i : i + micro]) for i in range(0, config.batch, micro)]
+    # GPU: fp32 master weights under bf16 autocast, the usual mixed-precision recipe. CPU: plain fp32.
+    use_autocast = device.type == "cuda"
+
+    def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            return model(x, y)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TinyGPT(config).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def big_batch(model, optimizer) -> Callable[[], None]:
+        def step() -> None:
+            forward(model, inputs, targets).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def plain_accumulation(model, optimizer) -> Callable[[], None]:
+        def step() -> None:
+            for x, y in micro_batches:
+                (forward(model, x, y) / config.accumulation_steps).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def with_gafused(model, optimizer) -> Callable[[], None]:
+        accumulator = gafused.GradAccumulator(optimizer, config.accumulation_steps, max_grad_norm=max_grad_norm)
+
+        def step() -> None:
+            for x, y in micro_batches:
+                forward(model, x, y).backward()
+                accumulator.step()
+                accumulator.zero_grad()
+            if not accumulator.stepped:
+                raise RuntimeError("gafused: the window did not finish after accumulation_steps micro-batches")
+
+        step.backend = accumulator.backend
+        return step
+
+    recipes = [
+        (f"big batch {config.batch}", 1, big_batch),
+        (f"plain: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
+         plain_accumulation),
+        (f"gafused: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
+         with_gafused),
+    ]  # fmt: skip
+    rows = []
+    for label, accumulation, make_step in recipes:
+        model, optimizer = build()
+        step = make_step(model, optimizer)
+        timing = timer.measure(step)
+        peak_mb = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        rows.append(
+            {
+                "recipe": label,
+                "accumulation_steps": accumulation,
+                "backend": getattr(step, "backend", None),
+                "ms_per_step": timing.median_ms,
+                "q20_ms": timing.q20_ms,
+                "q80_ms": timing.q80_ms,
+                "reps": timing.reps,
+                "samples_per_s": config.batch / (timing.median_ms * 1e-3),
+                "peak_memory_mb": peak_mb,
+            }
+        )
+        del model, optimizer, step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    parameters = sum(p.numel() for p in TinyGPT(config).parameters())
+    return {"config": {**config.__dict__, "parameters": parameters, "autocast_bf16": use_autocast}, "rows": rows}
