@@ -20,6 +20,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 # Sentinels in a gradient table; real entries are element offsets >= 0 from the launch's base pointer.
 NO_GRAD = -1  # the segment has no gradient: handled (zeroed / scaled / measured) by the first launch
@@ -27,6 +29,18 @@ OTHER_LAUNCH = -2  # the segment's gradient has another dtype: a different launc
 
 # Elements one program of the second (reduction) stage adds per loop iteration.
 REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def block_position(block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK: tl.constexpr):
+    """Where this program's block sits: (its block id, segment, segment's offset in acc, element indices within
+    the segment, segment length), all int64. Every kernel starts here; masks are ``index < numel`` or tighter."""
+    block = tl.program_id(0).to(tl.int64)
+    segment = tl.load(block_segment_ptr + block)
+    base = tl.load(segment_offset_ptr + segment)
+    index = tl.load(block_start_ptr + block) + tl.arange(0, BLOCK).to(tl.int64)
+    numel = tl.load(segment_numel_ptr + segment)
+    return block, segment, base, index, numel
 
 
 @dataclass(frozen=True)

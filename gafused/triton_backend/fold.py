@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import OTHER_LAUNCH, block_table, grad_tables
+from gafused.triton_backend._layout import OTHER_LAUNCH, block_position, block_table, grad_tables
 from gafused.triton_backend.norm import reduce_partials
 
 __all__ = ["fold_", "fold_finish_"]
@@ -38,16 +38,14 @@ def _fold_kernel(
     FINISH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    block = tl.program_id(0).to(tl.int64)
-    segment = tl.load(block_segment_ptr + block)
+    block, segment, base, index, numel = block_position(
+        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK
+    )
     grad_offset = tl.load(grad_offset_ptr + segment)
     # Sentinels (negative) are NO_GRAD (this launch handles the segment without a gradient) and
     # OTHER_LAUNCH (a launch for another gradient dtype handles it).
     has_grad = grad_offset >= 0
     mine = grad_offset != _OTHER_LAUNCH
-    start = tl.load(block_start_ptr + block)
-    numel = tl.load(segment_numel_ptr + segment)
-    base = tl.load(segment_offset_ptr + segment)
     # Scalar conditions shrink the segment's bound instead of joining the block mask: a block that is
     # not this launch's (or has no gradient to read) then masks every lane.
     limit = tl.where(mine, numel, 0)
@@ -55,7 +53,6 @@ def _fold_kernel(
         # A middle micro-batch leaves a segment without a gradient untouched: no read, no write.
         limit = tl.where(has_grad, limit, 0)
     grad_limit = tl.where(has_grad, limit, 0)
-    index = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = index < limit
 
     compute = acc_ptr.dtype.element_ty

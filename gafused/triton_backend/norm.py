@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import REDUCE_BLOCK, BlockTable, block_table
+from gafused.triton_backend._layout import REDUCE_BLOCK, BlockTable, block_position, block_table
 
 __all__ = ["reduce_partials", "sum_of_squares"]
 
@@ -27,12 +27,9 @@ def _block_sum_of_squares_kernel(
     partial_ptr,
     BLOCK: tl.constexpr,
 ):
-    block = tl.program_id(0).to(tl.int64)
-    segment = tl.load(block_segment_ptr + block)
-    start = tl.load(block_start_ptr + block)
-    numel = tl.load(segment_numel_ptr + segment)
-    base = tl.load(segment_offset_ptr + segment)
-    index = start + tl.arange(0, BLOCK).to(tl.int64)
+    block, _, base, index, numel = block_position(
+        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK
+    )
     mask = index < numel
     values = tl.load(acc_ptr + base + index, mask=mask, other=0.0).to(partial_ptr.dtype.element_ty)
     tl.store(partial_ptr + block, tl.sum(values * values, axis=0))

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import block_table
+from gafused.triton_backend._layout import block_position, block_table
 
 __all__ = ["scale_"]
 
@@ -22,12 +22,9 @@ def _scale_kernel(
     coef_ptr,
     BLOCK: tl.constexpr,
 ):
-    block = tl.program_id(0).to(tl.int64)
-    segment = tl.load(block_segment_ptr + block)
-    start = tl.load(block_start_ptr + block)
-    numel = tl.load(segment_numel_ptr + segment)
-    base = tl.load(segment_offset_ptr + segment)
-    index = start + tl.arange(0, BLOCK).to(tl.int64)
+    _, _, base, index, numel = block_position(
+        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK
+    )
     mask = index < numel
     # out_ptr is acc_ptr for the in-place form; the product is taken in acc's dtype, then cast on store.
     value = tl.load(acc_ptr + base + index, mask=mask, other=0.0) * tl.load(coef_ptr)
