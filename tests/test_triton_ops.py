@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from gafused import ops
+from gafused import GradAccumulator, ops
 from gafused.buffer import FlatGradBuffer
 
 _TRITON_REASON = ops.backend_unavailable_reason("triton", "cuda" if torch.cuda.is_available() else "cpu")
@@ -321,3 +321,42 @@ def test_layout_outside_acc_is_rejected():
     acc = torch.randn(8, device=DEVICE)
     with pytest.raises(ValueError, match="outside acc"):
         sum_of_squares(acc, [4], [5], per_segment=False)
+
+
+class _NoStep(torch.optim.Optimizer):
+    """An inner optimizer that does nothing: its own launches are the user's, not the accumulator's."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        return None
+
+
+# Handing each parameter its finished gradient makes one view of the buffer per parameter: metadata, no kernel.
+_VIEW_OPS = {"aten::view", "aten::slice", "aten::as_strided"}
+
+
+def test_wrapper_step_launches_do_not_grow_with_parameters(monkeypatch):
+    """A whole GradAccumulator.step(), middle and finishing: the same kernels and torch ops for 3 or 300 params."""
+    launches = _count_launches(monkeypatch)
+    per_size = {}
+    for n_params in (3, 300):
+        generator = torch.Generator().manual_seed(n_params)
+        params = [torch.nn.Parameter(torch.zeros(5 + i % 7, dtype=torch.bfloat16)) for i in range(n_params)]
+        opt = GradAccumulator(_NoStep(params), accumulation_steps=2, max_grad_norm=1.0, backend="triton")
+        moments = {}
+        for moment in ("middle", "last"):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
+            launches.clear()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                opt.step(weight=torch.tensor(2.0))
+            names = [event.name for event in profile.events() if event.name.startswith("aten::")]
+            moments[moment] = (list(launches), sum(1 for name in names if name not in _VIEW_OPS))
+        assert opt.stepped and all(p.grad is not None for p in params)
+        per_size[n_params] = moments
+    assert per_size[3] == per_size[300]
+    assert per_size[300]["middle"][0] == ["_fold_kernel"]
+    # finish: fold + scale + partial sums, their reduction, then the clip coefficient applied while casting to bf16
+    assert per_size[300]["last"][0] == ["_fold_kernel", "_reduce_partials_kernel", "_scale_kernel"]
