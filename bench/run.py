@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import kernels  # noqa: E402
 import param_sets  # noqa: E402
 import providers  # noqa: E402
 import timing  # noqa: E402
@@ -79,6 +80,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "timings swing by 100x; the count is recorded with the results)",
     )
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training step")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel sweep (ops vs buffer size)")
+    parser.add_argument(
+        "--kernels-only", action="store_true", help="run only the kernel sweep: 256 MB to 4 GB buffers on a GPU"
+    )
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     parser.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the PNGs of a results file and exit")
     return parser.parse_args(argv)
@@ -318,6 +323,15 @@ def write_plots(rows: list[dict], path_stem: Path, device_label: str) -> list[Pa
     return written
 
 
+def _write_csv(rows: list[dict], path: Path, device_label: str, date_utc: str) -> None:
+    with path.open("w", newline="") as handle:
+        fields = list(dict.fromkeys(key for row in rows for key in row))
+        writer = csv.DictWriter(handle, fieldnames=["device", "date_utc", *fields])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"device": device_label, "date_utc": date_utc, **row})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.plot_only:
@@ -347,15 +361,20 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    rows = run_micro(args, device, timer, copy_gbps)
-    print(format_micro_table(rows, unit), flush=True)
+    rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps)
+    if rows:
+        print(format_micro_table(rows, unit), flush=True)
     e2e_result = None
-    if not args.no_e2e:
+    if not (args.no_e2e or args.kernels_only):
         e2e_result = e2e.run_e2e(device, args.quick, timer)
         print(format_e2e_table(e2e_result, device_label), flush=True)
+    kernel_rows = [] if args.no_kernels else kernels.run_kernel_sweep(device, args.quick, timer)
+    if kernel_rows:
+        print(kernels.format_kernel_table(kernel_rows), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{_sanitize(device_label)}-{now:%Y%m%d}{'-quick' if args.quick else ''}"
+    suffix = ("-quick" if args.quick else "") + ("-kernels-only" if args.kernels_only else "")
+    stem = args.out / f"{_sanitize(device_label)}-{now:%Y%m%d}{suffix}"
     meta = {
         "device": device_label,
         "device_type": device.type,
@@ -379,16 +398,18 @@ def main(argv: list[str] | None = None) -> int:
         "timer": {"budget_s": timer.budget_s, "min_reps": timer.min_reps, "max_reps": timer.max_reps},
         "sets": {s.name: s.description for s in param_sets.default_sets(device.type, args.quick)},
     }
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "micro": rows, "e2e": e2e_result}, indent=1))
-    with stem.with_suffix(".csv").open("w", newline="") as handle:
-        fields = list(dict.fromkeys(key for row in rows for key in row))
-        writer = csv.DictWriter(handle, fieldnames=["device", "date_utc", *fields])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({"device": device_label, "date_utc": meta["date_utc"], **row})
-    written = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
+    results = {"meta": meta, "micro": rows, "e2e": e2e_result, "kernels": kernel_rows}
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    written = [stem.with_suffix(".json")]
+    for table, path in ((rows, stem.with_suffix(".csv")), (kernel_rows, stem.with_name(f"{stem.name}-kernels.csv"))):
+        if table:
+            _write_csv(table, path, device_label, meta["date_utc"])
+            written.append(path)
     if not args.no_plots:
         written += write_plots(rows, stem, device_label)
+        kernel_plot = stem.with_name(f"{stem.name}-kernels.png")
+        if kernels.write_kernel_plot(kernel_rows, str(kernel_plot), device_label):
+            written.append(kernel_plot)
     print("wrote " + ", ".join(str(p) for p in written))
     failed = [r for r in rows if r["status"].startswith("failed")]
     if failed:

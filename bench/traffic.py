@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MOMENTS", "bytes_per_element", "min_bytes", "copy_bytes"]
+__all__ = ["MOMENTS", "OP_NAMES", "bytes_per_element", "op_bytes_per_element", "min_bytes", "copy_bytes"]
 
 MOMENTS = ("first", "middle", "last")
 ACCUM_BYTES = 4
@@ -41,6 +41,25 @@ def bytes_per_element(moment: str, grad_dtype: torch.dtype, param_dtype: torch.d
     if moment == "last":
         return grad + 2 * ACCUM_BYTES + ACCUM_BYTES + param
     raise ValueError(f"moment must be one of {MOMENTS}, got {moment!r}")
+
+
+OP_NAMES = ("fold", "fold_finish", "scale_cast", "sum_of_squares")
+
+
+def op_bytes_per_element(op: str, grad_dtype: torch.dtype) -> int:
+    """Minimum bytes per element of one gafused op on its own (the kernel sweep), fp32 buffer.
+
+    ``fold`` and ``fold_finish`` move what a middle micro-batch does (read g, read and write acc; the finish's
+    scale, sum of squares and flag ride along); ``scale_cast`` reads acc and writes a bf16 ``out``;
+    ``sum_of_squares`` reads acc.
+    """
+    if op in ("fold", "fold_finish"):
+        return bytes_per_element("middle", grad_dtype)
+    if op == "scale_cast":
+        return ACCUM_BYTES + 2
+    if op == "sum_of_squares":
+        return ACCUM_BYTES
+    raise ValueError(f"op must be one of {OP_NAMES}, got {op!r}")
 
 
 def min_bytes(moment: str, numel: int, grad_dtype: torch.dtype, param_dtype: torch.dtype | None = None) -> int:

@@ -59,6 +59,17 @@ def test_traffic_matches_the_design_table() -> None:
         traffic.bytes_per_element("second", torch.bfloat16)
 
 
+def test_kernel_sweep_traffic_matches_the_design_table() -> None:
+    # DESIGN.md section 3: fold and the fused finish move 10 bytes per element for bf16 grads (12 for fp32);
+    # writing the finished bf16 gradient reads acc and writes 2 bytes; a norm alone reads acc.
+    assert traffic.op_bytes_per_element("fold", torch.bfloat16) == 10
+    assert traffic.op_bytes_per_element("fold_finish", torch.float32) == 12
+    assert traffic.op_bytes_per_element("scale_cast", torch.bfloat16) == 6
+    assert traffic.op_bytes_per_element("sum_of_squares", torch.bfloat16) == 4
+    with pytest.raises(ValueError, match="op must be one of"):
+        traffic.op_bytes_per_element("clip", torch.bfloat16)
+
+
 def test_param_set_tensor_counts() -> None:
     assert param_sets.gpt2().count == 148
     assert param_sets.llama().count == 291

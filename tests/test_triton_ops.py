@@ -360,3 +360,48 @@ def test_wrapper_step_launches_do_not_grow_with_parameters(monkeypatch):
     assert per_size[300]["middle"][0] == ["_fold_kernel"]
     # finish: fold + scale + partial sums, their reduction, then the clip coefficient applied while casting to bf16
     assert per_size[300]["last"][0] == ["_fold_kernel", "_reduce_partials_kernel", "_scale_kernel"]
+
+
+@pytest.mark.gpu
+def test_segments_past_int32_offsets():
+    """Segments that cross and start past element 2**31 of a buffer: int64 offsets in every kernel."""
+    from gafused import reference, triton_backend
+
+    size = 2**31 + 2**16
+    if torch.cuda.mem_get_info()[0] < size * 6 + 2**30:
+        pytest.skip(f"needs {size * 6 / 2**30 + 1:.0f} GiB of free GPU memory")
+    generator = torch.Generator(device="cuda").manual_seed(31)
+    numels = [20001, 9000]
+    offsets = [2**31 - 10000, 2**31 + 30003]
+    acc = torch.zeros(size, dtype=torch.float32, device="cuda")
+    # The reference runs on a small copy of each segment's neighbourhood: the contract does not depend on where
+    # a segment lies, and the comparison needs no second 8 GiB buffer.
+    margin = 64
+    windows = [slice(start - margin, start + numel + margin) for start, numel in zip(offsets, numels, strict=True)]
+    local_offsets = [margin, numels[0] + 3 * margin]
+    expected = torch.cat([acc[window] for window in windows])
+    weight = torch.tensor(0.75, device="cuda")
+    scale = torch.tensor(0.5, device="cuda")
+
+    def grads():
+        return [torch.randn(n, device="cuda", generator=generator).to(torch.bfloat16) for n in numels]
+
+    for first in (True, False):
+        step = grads()
+        triton_backend.fold_(acc, step, offsets, numels, weight, first)
+        reference.fold_(expected, step, local_offsets, numels, weight, first)
+    step = grads()
+    total, nonfinite = triton_backend.fold_finish_(acc, step, offsets, numels, weight, scale, False)
+    expected_total, _ = reference.fold_finish_(expected, step, local_offsets, numels, weight, scale, False)
+    torch.testing.assert_close(torch.cat([acc[window] for window in windows]), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(total, expected_total, rtol=1e-5, atol=0)
+    assert not bool(nonfinite)
+
+    per_segment = triton_backend.sum_of_squares(acc, offsets, numels, True)
+    expected_per_segment = reference.sum_of_squares(expected, local_offsets, numels, True)
+    torch.testing.assert_close(per_segment, expected_per_segment, rtol=1e-5, atol=0)
+    out = torch.zeros(size, dtype=torch.bfloat16, device="cuda")
+    triton_backend.scale_(acc, offsets, numels, scale, out)
+    expected_out = torch.zeros(expected.numel(), dtype=torch.bfloat16, device="cuda")
+    reference.scale_(expected, local_offsets, numels, scale, expected_out)
+    assert torch.equal(torch.cat([out[window] for window in windows]), expected_out)
