@@ -204,6 +204,8 @@ def _scale_op(
 
 # --- public ops -----------------------------------------------------------------------------------------
 
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
 
 def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> torch.Tensor:
     """A 0-d tensor on the buffer's device in its dtype; device tensors are moved without a host sync."""
@@ -216,9 +218,6 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a Python number or a 0-d tensor, got {type(value).__name__}")
     return torch.full((), value, dtype=buffer.accum_dtype, device=buffer.device)
-
-
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 GRAD_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
