@@ -399,10 +399,7 @@ class GradAccumulator:
             param.grad = buffer.view(index, source) if had_grad else None
 
     def _discard_window(self) -> None:
-        for group in self._groups:
-            for param in group.params:
-                param.grad = None
-            group.finished = None
+        self.zero_grad()
         self.stepped = False
         self.micro_step = 0
         self._weight_sum = None
