@@ -74,7 +74,7 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest", "ruff", "transformers"],
+        "test": ["pytest", "ruff", "hypothesis", "transformers"],
         "bench": ["matplotlib"],
     },
     ext_modules=ext_modules,

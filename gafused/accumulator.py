@@ -1,31 +1,45 @@
 """GradAccumulator: the drop-in optimizer wrapper.
 
-The user's loop keeps calling ``backward`` / ``step`` / ``zero_grad`` every micro-batch. Each ``step()`` folds
-the micro-batch's gradients into flat accumulation buffers and releases them; the N-th call (or ``flush()``)
-finishes the window: scale by 1 / sum of weights, global norm, non-finite check, clip, then the inner
-optimizer's step. The math is DESIGN.md section 1; the window is a small state machine:
+Two loops feed it. The recommended one gives each micro-batch's weight up front,
+``opt.backward(loss, weight=w); opt.step(); opt.zero_grad()``: gradients are folded into the flat buffers
+during backward, one bucket at a time as soon as its gradients exist, and released at once (ingest.py), so
+the buffer costs no more memory than the ``p.grad`` set it replaces. The other,
+``loss.backward(); opt.step(weight=w)``, folds every gradient at ``step()``. Either way the N-th ``step()``
+(or ``flush()``) finishes the window: scale by 1 / sum of weights, global norm, non-finite check, clip, then
+the inner optimizer's step. The math is docs/design.md section 1; the window is a small state machine:
 
     micro_step == 0  --step()-->  micro_step == 1  ...  --step() (the N-th) or flush()-->  finished
                                                                                           (inner step or skip)
+
+Within a micro-batch, ``backward()`` may be called several times (several losses); the micro-batch ends at
+``step()``. On the last micro-batch of a window each bucket's fold also applies the window scale and measures
+the bucket (the fused finish), so finishing costs no extra pass over the buffer.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gafused import ops
-from gafused.buffer import ACCUM_DTYPES, FlatGradBuffer
+from gafused.buffer import ACCUM_DTYPES, DEFAULT_BUCKET_BYTES, FlatGradBuffer
+from gafused.ingest import BucketHooks
 
 __all__ = ["GradAccumulator"]
 
 _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+# Inner optimizers that cannot run on a finished dense gradient handed over as p.grad.
+_UNSUPPORTED_OPTIMIZERS = {
+    torch.optim.LBFGS: "it re-evaluates the loss through a closure, which a window of micro-batches cannot give",
+    torch.optim.SparseAdam: "it needs sparse gradients, and accumulated gradients are dense",
+}
 
 
 @dataclass
@@ -39,6 +53,15 @@ class _Group:
     had_grad: list[bool] = field(default_factory=list)
     # Finished gradients cast to the parameters' dtype, when that differs from the accumulation dtype.
     finished: torch.Tensor | None = None
+    # The views handed out as p.grad by the last inner step; released before the next backward adds to them.
+    published: list[torch.Tensor | None] | None = None
+    # Buckets folded in the open micro-batch (the first fold of a window's first micro-batch overwrites).
+    bucket_touched: list[bool] = field(default_factory=list)
+    # (sum of squares, non-finite flag) of each bucket finished during the last micro-batch of a window.
+    bucket_results: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    # This micro-batch's fold weight and (on a window's last micro-batch) the window scale, on the buffer's device.
+    fold_weight: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -55,12 +78,23 @@ def _check_positive_int(value: Any, name: str) -> int:
     return value
 
 
+def _real_number(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (Python or NumPy, not bool) that fits a float, else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _check_max_norm(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+    number = _real_number(value)
+    if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"max_grad_norm must be None or a positive finite number, got {value!r}")
-    return float(value)
+    return number
 
 
 class GradAccumulator:
@@ -72,17 +106,21 @@ class GradAccumulator:
     ``torch.nn.utils.clip_grad_norm_``. A non-finite finished gradient skips the inner step.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``; every parameter of its ``param_groups`` is managed.
+        optimizer: any ``torch.optim.Optimizer`` that steps on ``p.grad`` (not LBFGS or SparseAdam); every
+            parameter of its ``param_groups`` is managed, each listed once.
         accumulation_steps: micro-batches per optimizer step (N >= 1).
         max_grad_norm: clip the finished gradient to this global L2 norm; None disables clipping.
         accum_dtype: accumulation dtype, ``torch.float32`` (default) or ``torch.float64``. float64
             parameters always accumulate in float64: the buffer is never narrower than the parameter.
         backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"cuda"``. ``"auto"`` takes
             ``$GAFUSED_BACKEND`` when set, else the fastest backend that runs on each device.
-        grad_scaler: an enabled ``torch.amp.GradScaler`` for fp16 loss scaling. Call
-            ``scaler.scale(loss).backward()`` and nothing else of the scaler: the accumulator folds
-            1 / scale into each micro-batch's weight, keeps the scale fixed within a window, and updates
-            the scaler once per window, exactly as ``scaler.step`` / ``scaler.update`` would.
+        grad_scaler: an enabled ``torch.amp.GradScaler`` for fp16 loss scaling. ``backward(loss)`` scales the
+            loss itself; with ``loss.backward()`` loops call ``scaler.scale(loss).backward()``. Nothing else of
+            the scaler: the accumulator folds 1 / scale into each micro-batch's weight, keeps the scale fixed
+            within a window, and updates the scaler once per window, as ``scaler.step`` / ``scaler.update`` would.
+        bucket_bytes: ``backward()`` folds gradients in buckets of about this many bytes of buffer, each as
+            soon as backward has produced all its gradients; at most about one bucket of fresh gradients is
+            alive beside the buffers.
     """
 
     def __init__(
@@ -93,11 +131,15 @@ class GradAccumulator:
         accum_dtype: torch.dtype = torch.float32,
         backend: str = "auto",
         grad_scaler: torch.amp.GradScaler | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, GradAccumulator):
             raise TypeError("optimizer must be the inner torch.optim.Optimizer, not another GradAccumulator")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for unsupported, why in _UNSUPPORTED_OPTIMIZERS.items():
+            if isinstance(optimizer, unsupported):
+                raise TypeError(f"optimizer: {unsupported.__name__} cannot be wrapped: {why}")
         self.accumulation_steps: int = _check_positive_int(accumulation_steps, "accumulation_steps")
         self.max_grad_norm: float | None = _check_max_norm(max_grad_norm)
         if accum_dtype not in ACCUM_DTYPES:
@@ -106,11 +148,12 @@ class GradAccumulator:
             raise ValueError(f"backend must be one of {_BACKEND_CHOICES}, got {backend!r}")
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        _check_positive_int(bucket_bytes, "bucket_bytes")
 
         self.optimizer: torch.optim.Optimizer = optimizer
         self.accum_dtype: torch.dtype = accum_dtype
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend)
+        self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes)
         self._home: torch.device = self._groups[0].buffer.device
         self._managed_count: int = sum(len(group.params) for group in self._groups)
 
@@ -123,15 +166,36 @@ class GradAccumulator:
         self._inv_loss_scale: torch.Tensor | None = None  # 1 / GradScaler scale, fixed for the window
         self._window_lrs: list[Any] | None = None
         self._warned_lr_change = False
+        # The open micro-batch of the backward() loop: its weight (as given, and as a tensor) and whether it is
+        # the window's last; None when no backward() call opened one.
+        self._micro: _MicroBatch | None = None
+        self._published_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = BucketHooks([group.buffer for group in self._groups], self)
+
+    def __del__(self) -> None:
+        hooks = getattr(self, "_hooks", None)
+        if hooks is not None:
+            hooks.remove()
+        for handle in getattr(self, "_published_hooks", ()):
+            handle.remove()
 
     # --- construction -----------------------------------------------------------------------------------
 
     @staticmethod
-    def _build_groups(optimizer: torch.optim.Optimizer, accum_dtype: torch.dtype, backend: str) -> list[_Group]:
+    def _build_groups(
+        optimizer: torch.optim.Optimizer, accum_dtype: torch.dtype, backend: str, bucket_bytes: int
+    ) -> list[_Group]:
         by_key: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
+        seen: dict[int, str] = {}
         for group_index, param_group in enumerate(optimizer.param_groups):
             for param_index, param in enumerate(param_group["params"]):
                 name = f"param_groups[{group_index}]['params'][{param_index}] (shape {tuple(param.shape)})"
+                if id(param) in seen:
+                    raise ValueError(
+                        f"{name} is the same tensor as {seen[id(param)]}: each parameter must be listed once, "
+                        "or its gradient would be counted twice"
+                    )
+                seen[id(param)] = name
                 if param.is_complex() or not param.is_floating_point():
                     raise ValueError(f"{name}: parameters must be real floating point, got {param.dtype}")
                 if param.layout != torch.strided:
@@ -144,9 +208,12 @@ class GradAccumulator:
         groups = []
         for (device, dtype), (params, names) in by_key.items():
             buffer_dtype = torch.float64 if dtype == torch.float64 else accum_dtype
-            buffer = FlatGradBuffer(params, accum_dtype=buffer_dtype)
+            buffer = FlatGradBuffer(params, accum_dtype=buffer_dtype, bucket_bytes=bucket_bytes)
             chosen = ops.resolve_backend(backend, device)
-            groups.append(_Group(buffer=buffer, names=names, backend=chosen, had_grad=[False] * len(params)))
+            group = _Group(buffer=buffer, names=names, backend=chosen, had_grad=[False] * len(params))
+            group.bucket_touched = [False] * len(buffer.bucket_ranges)
+            group.bucket_results = [None] * len(buffer.bucket_ranges)
+            groups.append(group)
         return groups
 
     # --- public attributes ------------------------------------------------------------------------------
@@ -180,45 +247,102 @@ class GradAccumulator:
 
     # --- the loop ---------------------------------------------------------------------------------------
 
-    def step(self, weight: float | torch.Tensor | None = None) -> None:
-        """Fold this micro-batch's gradients in; the N-th call of a window finishes it and steps the optimizer.
+    def backward(
+        self,
+        loss: torch.Tensor,
+        weight: float | torch.Tensor | None = None,
+        *,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Backpropagate ``loss`` and fold its gradients into the buffers during backward, bucket by bucket.
+
+        The recommended loop is ``opt.backward(loss, weight=w); opt.step(); opt.zero_grad()``. A micro-batch may
+        call ``backward`` several times (several losses, ``retain_graph``); it ends at ``step()``. Gradients of
+        managed parameters are released as they are folded, so ``p.grad`` is None afterwards. With
+        ``create_graph=True`` the gradients' values are folded (their graphs are dropped).
+
+        If backward fails after gradients were folded, the open window cannot be separated from the partial
+        micro-batch: it is discarded (``micro_step`` back to 0) and the error is raised.
 
         Args:
-            weight: this micro-batch's weight (a sample or token count), a non-negative finite Python number or
-                a 0-d tensor (default 1). A tensor stays on its device: no host sync. A CPU tensor or number
-                is checked here; a device tensor is checked on the device and a bad value raises at the end of
-                the window (where the one host sync of the step happens), discarding that window.
+            loss: the micro-batch's loss (mean-reduced as usual; never divided by N). With ``grad_scaler``
+                set, the accumulator scales it.
+            weight: this micro-batch's weight (a sample or token count), as for ``step(weight=...)``; default 1.
+                Give it to the first ``backward`` of a micro-batch; later ones may repeat it or pass None.
+            retain_graph: as in ``torch.autograd.backward``.
+            create_graph: as in ``torch.autograd.backward``.
+            inputs: as in ``torch.autograd.backward``.
         """
         self._check_param_set()
-        w, bad = self._weight_tensor(weight)
-        grads = self._collect_grads()  # every check happens before anything changes
+        micro = self._micro
+        if micro is None:
+            w, bad = self._weight_tensor(weight)
+        elif weight is not None and not _same_weight(weight, micro.given):
+            raise ValueError(
+                f"weight: this micro-batch's weight was given as {micro.given!r} by an earlier backward(); "
+                f"got {weight!r} (pass the same weight or None, and call step() to end the micro-batch)"
+            )
+        self._check_lr_unchanged()
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        self._release_published()
+        opened = micro is None
+        if opened:
+            micro = self._open_micro_batch(weight, w, bad)
+        self._hooks.start()
+        micro.folded_in_call = False
+        try:
+            torch.autograd.backward(loss, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+            self._hooks.stop()
+            self._fold_held_buckets(self._held_grads())
+        except BaseException as error:
+            self._hooks.stop()
+            if micro.folded_in_call or micro.folded:
+                self._discard_window()
+                _add_note(error, "gafused: the open accumulation window was discarded (micro_step is 0 again)")
+            elif opened:
+                self._micro = None
+            raise
+        micro.folded = micro.folded or micro.folded_in_call
+
+    def step(self, weight: float | torch.Tensor | None = None) -> None:
+        """End this micro-batch; the N-th call of a window finishes it and steps the inner optimizer.
+
+        After ``backward()``, ``step()`` folds only what is left (gradients of parameters that got none during
+        backward are zero for this micro-batch). After a plain ``loss.backward()``, it folds every gradient now
+        (one launch per buffer) and releases them.
+
+        Args:
+            weight: this micro-batch's weight (a sample or token count) for the ``loss.backward()`` loop, a
+                non-negative finite number (Python or NumPy) or a 0-d tensor (default 1); refused after
+                ``backward()``, which takes it. A tensor stays on its device: no host sync. A CPU tensor or
+                number is checked here; a device tensor is checked on the device and a bad value raises at the
+                end of the window (where the one host sync of the step happens), discarding that window.
+        """
+        self._check_param_set()
+        micro = self._micro
+        if micro is not None and weight is not None:
+            raise ValueError(
+                "weight: this micro-batch's weight was already given to backward(); call step() without it"
+            )
+        if micro is None:
+            w, bad = self._weight_tensor(weight)
+        grads = self._held_grads()  # every check happens before anything changes
         self._check_lr_unchanged()
 
-        first = self.micro_step == 0
         last = self.micro_step + 1 == self.accumulation_steps
-        if first:
-            self._start_window()
-        if bad is not None:
-            self._bad_weight = bad if self._bad_weight is None else self._bad_weight | bad
-        weight_sum = w if first else self._weight_sum + w
-        fold_weight = w if self._inv_loss_scale is None else w * self._inv_loss_scale
-
-        results = []
-        for group, group_grads in zip(self._groups, grads, strict=True):
-            group_weight = fold_weight.to(group.buffer.device, non_blocking=True)
-            if last:
-                scale = weight_sum.reciprocal().to(group.buffer.device, non_blocking=True)
-                results.append(
-                    ops.fold_finish_(
-                        group.buffer, group_grads, group_weight, scale, first=first, backend=group.backend, check=False
-                    )
-                )
-            else:
-                ops.fold_(group.buffer, group_grads, group_weight, first=first, backend=group.backend, check=False)
-            group.had_grad = [had or grad is not None for had, grad in zip(group.had_grad, group_grads, strict=True)]
-            for param in group.params:
-                param.grad = None  # folded: release the memory now
-        self._weight_sum = weight_sum
+        if micro is not None:
+            self._fold_held_buckets(grads)
+            del grads
+            self._weight_sum = micro.weight_sum
+            self._record_bad_weight(micro.bad_weight)
+            results = [result for group in self._groups for result in self._finish_untouched_buckets(group, last)]
+            self._micro = None
+        else:
+            results = self._fold_all(grads, w, bad, last)
+            del grads  # the last micro-batch's gradients must not outlive the fold (memory)
         self.micro_step += 1
         self.stepped = False
         if last:
@@ -227,25 +351,28 @@ class GradAccumulator:
     def flush(self) -> bool:
         """Finish the open (partial) window now, e.g. at the end of an epoch; returns ``stepped``.
 
-        The finished gradient is the weighted mean over the micro-batches folded so far. Does nothing (and
-        returns False) when no micro-batch is open. Raises if parameters hold gradients that ``step()`` has not
-        folded yet, rather than drop or silently include them.
+        The finished gradient is the weighted mean over the micro-batches ended by ``step()`` so far. Does
+        nothing (and returns False) when no micro-batch is open. Raises if parameters hold gradients that no
+        ``step()`` has folded, or a ``backward()`` has no ``step()`` yet, rather than drop or silently include
+        them.
         """
         self._check_param_set()
-        if self.micro_step == 0:
-            self.stepped = False
-            return False
+        if self._micro is not None:
+            raise RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
         unfolded = [
             name
             for group in self._groups
-            for param, name in zip(group.params, group.names, strict=True)
-            if param.grad is not None
+            for index, (param, name) in enumerate(zip(group.params, group.names, strict=True))
+            if param.grad is not None and not _is_published(group, index, param.grad)
         ]
         if unfolded:
             raise RuntimeError(
                 f"flush(): {len(unfolded)} parameter(s) hold gradients not folded by step(), e.g. {unfolded[0]}; "
                 "call step() to include them or zero_grad() to drop them first"
             )
+        if self.micro_step == 0:
+            self.stepped = False
+            return False
         scale = self._weight_sum.reciprocal()
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
         results = [
@@ -265,14 +392,117 @@ class GradAccumulator:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Release every managed ``p.grad`` (the accumulator owns them; gradients are always set to None).
 
+        Gradients a ``step()`` has not folded yet are dropped; what is folded stays in the window.
+
         Args:
             set_to_none: accepted for drop-in compatibility; gradients are released either way, since a
                 zero-filled ``p.grad`` would only be folded as zeros.
         """
+        self._release_published()
         for group in self._groups:
             for param in group.params:
                 param.grad = None
-            group.finished = None
+
+    # --- folding ----------------------------------------------------------------------------------------
+
+    def _open_micro_batch(
+        self, given: float | torch.Tensor | None, w: torch.Tensor, bad: torch.Tensor | None
+    ) -> _MicroBatch:
+        """Start a micro-batch of the backward() loop: its fold weight and, on a window's last, the window scale."""
+        first = self.micro_step == 0
+        last = self.micro_step + 1 == self.accumulation_steps
+        if first:
+            self._start_window()
+        weight_sum = w if first else self._weight_sum + w
+        fold_weight = w if self._inv_loss_scale is None else w * self._inv_loss_scale
+        scale = weight_sum.reciprocal() if last else None
+        for group in self._groups:
+            group.fold_weight = fold_weight.to(group.buffer.device, non_blocking=True)
+            group.scale = None if scale is None else scale.to(group.buffer.device, non_blocking=True)
+            group.bucket_touched = [False] * len(group.bucket_touched)
+            group.bucket_results = [None] * len(group.bucket_results)
+        self._micro = _MicroBatch(given=given, weight_sum=weight_sum, last=last, bad_weight=bad)
+        return self._micro
+
+    def on_bucket_ready(self, group_index: int, bucket_index: int) -> None:
+        """Called by the backward hooks when every gradient of a bucket exists: fold it and release them."""
+        group = self._groups[group_index]
+        indices = group.buffer.bucket_ranges[bucket_index]
+        grads = [group.params[i].grad for i in indices]
+        names = group.names[indices.start : indices.stop]
+        self._fold_bucket(group, bucket_index, ops.check_grads(group.buffer.buckets[bucket_index], grads, names))
+
+    def _fold_bucket(self, group: _Group, bucket_index: int, grads: list[torch.Tensor | None]) -> None:
+        """Fold one bucket's gradients with the micro-batch's weight (finishing it on a window's last micro-batch),
+        then release them. A bucket finished earlier in the same micro-batch (a second backward) gets w * scale
+        times the new gradients and is measured again."""
+        bucket = group.buffer.buckets[bucket_index]
+        touched = group.bucket_touched[bucket_index]
+        first = self.micro_step == 0 and not touched
+        if group.scale is None:
+            ops.fold_(bucket, grads, group.fold_weight, first=first, backend=group.backend, check=False)
+        elif not touched:
+            group.bucket_results[bucket_index] = ops.fold_finish_(
+                bucket, grads, group.fold_weight, group.scale, first=first, backend=group.backend, check=False
+            )
+        else:
+            one = torch.ones((), dtype=bucket.accum_dtype, device=bucket.device)
+            group.bucket_results[bucket_index] = ops.fold_finish_(
+                bucket, grads, group.fold_weight * group.scale, one, first=False, backend=group.backend, check=False
+            )
+        group.bucket_touched[bucket_index] = True
+        self._micro.folded_in_call = True
+        indices = group.buffer.bucket_ranges[bucket_index]
+        for index, grad in zip(indices, grads, strict=True):
+            if grad is not None:
+                group.had_grad[index] = True
+                group.params[index].grad = None  # folded: release the memory now
+
+    def _fold_held_buckets(self, grads: list[list[torch.Tensor | None]]) -> None:
+        """Fold every bucket that still holds gradients (parameters unused by, or seen twice in, a backward)."""
+        for group, group_grads in zip(self._groups, grads, strict=True):
+            for bucket_index, indices in enumerate(group.buffer.bucket_ranges):
+                bucket_grads = group_grads[indices.start : indices.stop]
+                if any(grad is not None for grad in bucket_grads):
+                    self._fold_bucket(group, bucket_index, bucket_grads)
+
+    def _finish_untouched_buckets(self, group: _Group, last: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """At step(): a bucket no gradient reached is zeroed (window's first micro-batch) or finished (last)."""
+        for bucket_index, touched in enumerate(group.bucket_touched):
+            if not touched and (self.micro_step == 0 or last):
+                self._fold_bucket(group, bucket_index, [None] * len(group.buffer.bucket_ranges[bucket_index]))
+        results = list(group.bucket_results) if last else []
+        group.fold_weight = group.scale = None
+        group.bucket_results = [None] * len(group.bucket_results)
+        return results
+
+    def _fold_all(
+        self, grads: list[list[torch.Tensor | None]], w: torch.Tensor, bad: torch.Tensor | None, last: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The loss.backward() loop: fold every buffer at once (one launch per buffer) and release the gradients."""
+        first = self.micro_step == 0
+        if first:
+            self._start_window()
+        self._record_bad_weight(bad)
+        weight_sum = w if first else self._weight_sum + w
+        fold_weight = w if self._inv_loss_scale is None else w * self._inv_loss_scale
+        results = []
+        for group, group_grads in zip(self._groups, grads, strict=True):
+            group_weight = fold_weight.to(group.buffer.device, non_blocking=True)
+            if last:
+                scale = weight_sum.reciprocal().to(group.buffer.device, non_blocking=True)
+                results.append(
+                    ops.fold_finish_(
+                        group.buffer, group_grads, group_weight, scale, first=first, backend=group.backend, check=False
+                    )
+                )
+            else:
+                ops.fold_(group.buffer, group_grads, group_weight, first=first, backend=group.backend, check=False)
+            group.had_grad = [had or grad is not None for had, grad in zip(group.had_grad, group_grads, strict=True)]
+            for param in group.params:
+                param.grad = None  # folded: release the memory now
+        self._weight_sum = weight_sum
+        return results
 
     # --- window internals -------------------------------------------------------------------------------
 
@@ -300,30 +530,55 @@ class GradAccumulator:
                 return weight.to(device=self._home, dtype=torch.float64), None
             w = weight.to(device=self._home, dtype=torch.float64, non_blocking=True)
             return w, ~torch.isfinite(w) | (w < 0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
+        number = _real_number(weight)
+        if number is None:
             raise TypeError(f"weight must be None, a number or a 0-d tensor, got {type(weight).__name__}")
-        self._check_weight_value(weight)
-        return torch.full((), float(weight), dtype=torch.float64, device=self._home), None
+        self._check_weight_value(number, weight)
+        return torch.full((), number, dtype=torch.float64, device=self._home), None
+
+    def _record_bad_weight(self, bad: torch.Tensor | None) -> None:
+        if bad is not None:
+            self._bad_weight = bad if self._bad_weight is None else self._bad_weight | bad
 
     @staticmethod
-    def _check_weight_value(value: float) -> None:
+    def _check_weight_value(value: float, given: Any = None) -> None:
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"weight must be a non-negative finite number, got {value!r}")
+            shown = value if given is None else given
+            raise ValueError(f"weight must be a non-negative finite number, got {shown!r}")
 
-    def _collect_grads(self) -> list[list[torch.Tensor | None]]:
-        """Every group's gradients, checked before any buffer changes (so a refused step changes nothing)."""
-        return [
-            ops.check_grads(group.buffer, [param.grad for param in group.params], group.names)
-            for group in self._groups
-        ]
+    def _held_grads(self) -> list[list[torch.Tensor | None]]:
+        """Every group's unfolded gradients, checked before any buffer changes (a refused step changes nothing).
+
+        A ``p.grad`` that is still the view an inner step was handed is not a new gradient: it counts as None.
+        """
+        held = []
+        for group in self._groups:
+            grads = [param.grad for param in group.params]
+            if group.published is not None:
+                grads = [None if _is_published(group, i, grad) else grad for i, grad in enumerate(grads)]
+            held.append(ops.check_grads(group.buffer, grads, group.names))
+        return held
+
+    def _release_published(self) -> None:
+        """Drop the finished gradients handed to the last inner step, so no backward adds into the buffer."""
+        for handle in self._published_hooks:
+            handle.remove()
+        self._published_hooks.clear()
+        for group in self._groups:
+            if group.published is not None:
+                for index, param in enumerate(group.params):
+                    if _is_published(group, index, param.grad):
+                        param.grad = None
+                group.published = None
+            group.finished = None
 
     def _start_window(self) -> None:
         for group in self._groups:
             group.had_grad = [False] * len(group.params)
-            group.finished = None
+        self._release_published()
         self._weight_sum = None
         self._bad_weight = None
-        self._window_lrs = [param_group.get("lr") for param_group in self.optimizer.param_groups]
+        self._window_lrs = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
         if self.grad_scaler is not None:
             scale = self.grad_scaler._get_scale_async()
             if scale is None:
@@ -338,7 +593,7 @@ class GradAccumulator:
         """Warn once if the learning rate moves inside a window: a scheduler stepped per micro-batch."""
         if self.micro_step == 0 or self._warned_lr_change or self._window_lrs is None:
             return
-        lrs = [param_group.get("lr") for param_group in self.optimizer.param_groups]
+        lrs = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
         if lrs != self._window_lrs:
             self._warned_lr_change = True
             warnings.warn(
@@ -349,12 +604,18 @@ class GradAccumulator:
             )
 
     def _finish(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Norm, non-finite check (the step's one host sync), clip, inner step; then a new window."""
+        """Norm, non-finite check (the step's one host sync), clip, inner step; then a new window.
+
+        If the inner step raises, the window is discarded (its gradients released, ``micro_step`` back to 0) and
+        the error reaches the caller; training can go on with the next micro-batch.
+        """
         wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
         norm_dtype = torch.float64 if wide else torch.float32
         total = torch.stack([s.to(self._home, torch.float64, non_blocking=True) for s, _ in results]).sum()
-        norm = total.sqrt().to(norm_dtype)
-        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any()
+        # Weights summing to zero make every finished value nan, but an all-empty buffer has no value to show it.
+        empty_window = self._weight_sum <= 0
+        norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
+        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any() | empty_window
         bad_weight = self._bad_weight if self._bad_weight is not None else torch.zeros_like(found_inf)
         self.grad_norm = norm
 
@@ -362,7 +623,7 @@ class GradAccumulator:
         if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
             raise ValueError(
-                "weight: a tensor weight given to step() in this window was negative, nan or inf; the window "
+                "weight: a tensor weight given in this window was negative, nan or inf; the window "
                 "was discarded and the inner optimizer did not step"
             )
         if self.grad_scaler is not None:
@@ -377,12 +638,21 @@ class GradAccumulator:
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         for group in self._groups:
             self._publish_grads(group, coef)
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except BaseException as error:
+            self._discard_window()
+            _add_note(error, "gafused: the window was discarded; the inner optimizer's step raised")
+            raise
         self.stepped = True
         self.micro_step = 0
 
     def _publish_grads(self, group: _Group, coef: torch.Tensor | None) -> None:
-        """Apply the clip coefficient and hand the finished gradient to the inner optimizer as ``p.grad``."""
+        """Apply the clip coefficient and hand the finished gradient to the inner optimizer as ``p.grad``.
+
+        Each ``p.grad`` is a view of the buffer (or of its cast copy) with ``p``'s strides. A hook releases it
+        before the next backward would add into it; until then it can be read, as plain PyTorch's can.
+        """
         buffer = group.buffer
         group_coef = None if coef is None else coef.to(buffer.device, non_blocking=True)
         if group.param_dtype == buffer.accum_dtype:
@@ -394,12 +664,23 @@ class GradAccumulator:
             one = torch.ones((), dtype=buffer.accum_dtype, device=buffer.device)
             ops.scale_(buffer, one if group_coef is None else group_coef, out=group.finished, backend=group.backend)
             source = group.finished
+        published: list[torch.Tensor | None] = []
         for index, (param, had_grad) in enumerate(zip(group.params, group.had_grad, strict=True)):
             # A parameter with no gradient in the whole window keeps None, as plain PyTorch would.
-            param.grad = buffer.view(index, source) if had_grad else None
+            view = buffer.view(index, source) if had_grad else None
+            param.grad = view
+            published.append(view)
+            if view is not None and param.requires_grad:
+                self._published_hooks.append(param.register_hook(_release_before_accumulation(param, view)))
+        group.published = published
 
     def _discard_window(self) -> None:
         self.zero_grad()
+        self._micro = None
+        for group in self._groups:
+            group.fold_weight = group.scale = None
+            group.bucket_touched = [False] * len(group.bucket_touched)
+            group.bucket_results = [None] * len(group.bucket_results)
         self.stepped = False
         self.micro_step = 0
         self._weight_sum = None
@@ -421,7 +702,12 @@ class GradAccumulator:
     # --- checkpoints ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state plus the open window (buffers, weights, position)."""
+        """The inner optimizer's state plus the open window (buffers, weights, position).
+
+        Take it between micro-batches (after ``step()``), not between ``backward()`` and ``step()``.
+        """
+        if self._micro is not None:
+            raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
         window: dict[str, Any] = {
             "version": _STATE_VERSION,
             "accumulation_steps": self.accumulation_steps,
@@ -436,6 +722,7 @@ class GradAccumulator:
         for group in self._groups:
             entry: dict[str, Any] = {"numels": list(group.buffer.numels), "had_grad": list(group.had_grad)}
             if self.micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
+                # Segments in the buffer's memory order (a channels_last parameter's segment is channels_last).
                 entry["segments"] = torch.cat([group.buffer.segment(i) for i in range(len(group.params))])
             window["buffers"].append(entry)
         return {"optimizer": self.optimizer.state_dict(), "gafused": window}
@@ -443,44 +730,154 @@ class GradAccumulator:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; a checkpoint taken mid-window resumes that window exactly.
 
+        Everything is checked before anything changes: a refused checkpoint raises ValueError naming the bad
+        field and leaves the accumulator and the inner optimizer as they were.
+
         Args:
             state_dict: a dict from ``state_dict()`` of an accumulator over the same parameters.
         """
-        if not isinstance(state_dict, dict) or "optimizer" not in state_dict or "gafused" not in state_dict:
-            raise ValueError("state_dict must come from GradAccumulator.state_dict() (keys 'optimizer', 'gafused')")
-        window = state_dict["gafused"]
-        if window.get("version") != _STATE_VERSION:
-            raise ValueError(f"state_dict: unknown gafused state version {window.get('version')!r}")
-        saved = window["buffers"]
-        if len(saved) != len(self._groups) or any(
-            entry["numels"] != group.buffer.numels for entry, group in zip(saved, self._groups, strict=True)
-        ):
-            raise ValueError("state_dict: its buffers do not match this accumulator's parameters")
-        micro_step = window["micro_step"]
-        if micro_step >= self.accumulation_steps:
-            raise ValueError(
-                f"state_dict: saved mid-window at micro_step {micro_step}, which does not fit "
-                f"accumulation_steps={self.accumulation_steps}"
-            )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        window = self._validated_window(state_dict)
+        self.optimizer.load_state_dict(state_dict["optimizer"])  # validates its own groups before changing
 
         def restore(value: torch.Tensor | None) -> torch.Tensor | None:
             return None if value is None else value.to(self._home)
 
+        self._release_published()
+        for group in self._groups:
+            for param in group.params:
+                param.grad = None
+        self._micro = None
+        micro_step = window["micro_step"]
         self.micro_step = micro_step
         self.skipped_steps = window["skipped_steps"]
         self._weight_sum = restore(window["weight_sum"])
         self._bad_weight = restore(window["bad_weight"])
         self._inv_loss_scale = restore(window["inv_loss_scale"])
-        self._window_lrs = window["window_lrs"]
+        self._window_lrs = None if window["window_lrs"] is None else list(window["window_lrs"])
         self.stepped = False
-        for entry, group in zip(saved, self._groups, strict=True):
+        for entry, group in zip(window["buffers"], self._groups, strict=True):
             group.had_grad = list(entry["had_grad"])
-            group.finished = None
             if micro_step > 0:
                 segments = entry["segments"].to(group.buffer.device, group.buffer.accum_dtype)
                 for index, start in enumerate(_running_starts(group.buffer.numels)):
                     group.buffer.segment(index).copy_(segments[start : start + group.buffer.numels[index]])
+
+    def _validated_window(self, state_dict: Any) -> dict[str, Any]:
+        """The 'gafused' part of a checkpoint, checked field by field against this accumulator."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("optimizer"), dict):
+            raise ValueError("state_dict must come from GradAccumulator.state_dict() (keys 'optimizer', 'gafused')")
+        window = state_dict.get("gafused")
+        if not isinstance(window, dict):
+            raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
+        version = window.get("version")
+        permuted = any(group.buffer.permuted for group in self._groups)
+        # Version 1 stored every segment row-major; it matches version 2 unless a segment is permuted.
+        if version != _STATE_VERSION and not (version == 1 and not permuted):
+            raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
+
+        def field_error(name: str, expected: str) -> ValueError:
+            return ValueError(f"state_dict['gafused']['{name}']: expected {expected}, got {window.get(name)!r}")
+
+        micro_step = window.get("micro_step")
+        if isinstance(micro_step, bool) or not isinstance(micro_step, int) or micro_step < 0:
+            raise field_error("micro_step", "a non-negative int")
+        if micro_step >= self.accumulation_steps:
+            raise field_error("micro_step", f"a position in a window of accumulation_steps={self.accumulation_steps}")
+        skipped = window.get("skipped_steps")
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise field_error("skipped_steps", "a non-negative int")
+        open_window = micro_step > 0
+        for name, dtype, required in (
+            ("weight_sum", torch.float64, open_window),
+            ("bad_weight", torch.bool, False),
+            ("inv_loss_scale", torch.float64, open_window and self.grad_scaler is not None),
+        ):
+            value = window.get(name)
+            if value is None:
+                if required:
+                    raise field_error(name, f"a 0-d {dtype} tensor (the window is open at micro_step {micro_step})")
+            elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype:
+                raise field_error(name, f"None or a 0-d {dtype} tensor")
+        lrs = window.get("window_lrs")
+        if lrs is not None and (not isinstance(lrs, list) or len(lrs) != len(self.optimizer.param_groups)):
+            raise field_error("window_lrs", f"None or a list of {len(self.optimizer.param_groups)} learning rates")
+        saved = window.get("buffers")
+        if not isinstance(saved, list) or len(saved) != len(self._groups):
+            raise ValueError(
+                f"state_dict['gafused']['buffers']: expected {len(self._groups)} buffer entries for this "
+                "accumulator's parameters"
+            )
+        for index, (entry, group) in enumerate(zip(saved, self._groups, strict=True)):
+            where = f"state_dict['gafused']['buffers'][{index}]"
+            if not isinstance(entry, dict) or entry.get("numels") != group.buffer.numels:
+                raise ValueError(f"{where}: its 'numels' do not match this accumulator's parameters")
+            had_grad = entry.get("had_grad")
+            if not isinstance(had_grad, list) or len(had_grad) != len(group.params):
+                raise ValueError(f"{where}['had_grad']: expected a list of {len(group.params)} bools")
+            if not all(isinstance(flag, bool) for flag in had_grad):
+                raise ValueError(f"{where}['had_grad']: expected bools only")
+            if open_window:
+                segments = entry.get("segments")
+                total = sum(group.buffer.numels)
+                if (
+                    not isinstance(segments, torch.Tensor)
+                    or segments.dim() != 1
+                    or segments.numel() != total
+                    or not segments.is_floating_point()
+                ):
+                    raise ValueError(
+                        f"{where}['segments']: expected a flat floating-point tensor of {total} elements "
+                        f"(the window is open at micro_step {micro_step})"
+                    )
+        return window
+
+
+@dataclass
+class _MicroBatch:
+    """The open micro-batch of the backward() loop."""
+
+    given: float | torch.Tensor | None  # the weight as the caller gave it (to compare later backward calls)
+    weight_sum: torch.Tensor  # the window's weight sum including this micro-batch (float64, home device)
+    last: bool  # the window's last micro-batch: buckets are finished as they are folded
+    bad_weight: torch.Tensor | None = None  # device flag for a tensor weight checked on the device
+    folded: bool = False  # an earlier backward() of this micro-batch folded something
+    folded_in_call: bool = False  # the running backward() folded something
+
+
+def _same_weight(weight: Any, given: Any) -> bool:
+    """Whether a later backward() of a micro-batch repeats the weight its first one gave."""
+    if weight is given:
+        return True
+    if isinstance(weight, torch.Tensor) or isinstance(given, torch.Tensor):
+        return False  # device tensors cannot be compared without a sync: pass the same tensor, or None
+    first = 1.0 if given is None else _real_number(given)
+    return _real_number(weight) == first
+
+
+def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:
+    return grad is not None and group.published is not None and grad is group.published[index]
+
+
+def _release_before_accumulation(param: torch.Tensor, view: torch.Tensor):
+    """A gradient hook that drops ``param.grad`` if it is still ``view`` before autograd accumulates into it."""
+
+    def hook(grad: torch.Tensor) -> None:
+        if param.grad is view:
+            param.grad = None
+
+    return hook
+
+
+def _lr_value(lr: Any) -> Any:
+    """A learning rate as a comparable value: tensors on the CPU by value (no device sync), others by identity."""
+    if isinstance(lr, torch.Tensor):
+        return lr.item() if lr.device.type == "cpu" and lr.numel() == 1 else ("tensor", id(lr))
+    return lr
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _running_starts(numels: list[int]) -> Iterator[int]:

@@ -1,8 +1,13 @@
 """FlatGradBuffer: where accumulated gradients live.
 
 Layout only: the parameters of one device are laid end to end in one flat tensor of the accumulation
-dtype, each segment starting on an aligned boundary so kernels can use wide loads. The buffer knows
-nothing about windows, weights or backends.
+dtype, each segment starting on an aligned boundary so kernels can use wide loads. Segments are grouped into
+buckets, contiguous runs of a bounded size in the order backward produces gradients, so a bucket can be
+folded as soon as its gradients exist. The buffer knows nothing about windows, weights or backends.
+
+A segment holds its parameter's elements in the parameter's *memory* order: a channels_last parameter's
+segment is laid out channels_last, and the view handed out as ``p.grad`` has the parameter's strides (fused
+optimizers walk a gradient's memory as if it were the parameter's).
 """
 
 from __future__ import annotations
@@ -17,8 +22,51 @@ __all__ = ["FlatGradBuffer", "ACCUM_DTYPES"]
 ACCUM_DTYPES = (torch.float32, torch.float64)
 
 
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+def memory_order_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides a segment for ``tensor`` uses: its own when they cover its elements densely (contiguous,
+    channels_last, any permutation), else the contiguous ones."""
+    if not tensor.is_contiguous() and _dense(tensor.shape, tensor.stride()):
+        return tuple(tensor.stride())
+    return _contiguous_strides(tensor.shape)
+
+
+def _dense(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether the elements fill one block of memory with no gaps or overlaps (some permutation of row-major)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _bucket_ranges(numels: list[int], element_size: int, bucket_bytes: int) -> list[range]:
+    """Contiguous runs of segments of about ``bucket_bytes``, cut from the last segment backwards (backward
+    produces the last layers' gradients first, as DDP assumes); returned in that order, last segments first."""
+    ranges: list[range] = []
+    stop = len(numels)
+    size = 0
+    for index in range(len(numels) - 1, -1, -1):
+        size += numels[index] * element_size
+        if size >= bucket_bytes or index == 0:
+            ranges.append(range(index, stop))
+            stop, size = index, 0
+    return ranges
 
 
 class FlatGradBuffer:
@@ -33,6 +81,8 @@ class FlatGradBuffer:
         params: parameters of one device, in the order the segments are laid out.
         accum_dtype: dtype of the buffer, ``torch.float32`` or ``torch.float64``.
         alignment_bytes: every segment starts at a multiple of this many bytes (at least 16, a power of two).
+        bucket_bytes: buckets are runs of segments of about this many bytes of the buffer (a segment larger
+            than that is a bucket of its own).
     """
 
     def __init__(
@@ -40,6 +90,7 @@ class FlatGradBuffer:
         params: Sequence[torch.Tensor],
         accum_dtype: torch.dtype = torch.float32,
         alignment_bytes: int = 64,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         params = list(params)
         if not params:
@@ -48,6 +99,8 @@ class FlatGradBuffer:
             raise ValueError(f"FlatGradBuffer: accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype}")
         if alignment_bytes < 16 or alignment_bytes & (alignment_bytes - 1):
             raise ValueError(f"FlatGradBuffer: alignment_bytes must be a power of two >= 16, got {alignment_bytes}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"FlatGradBuffer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"FlatGradBuffer: params must share one device, got {sorted(map(str, devices))}")
@@ -65,8 +118,14 @@ class FlatGradBuffer:
         self.alignment_bytes: int = alignment_bytes
         self.shapes: list[torch.Size] = [p.shape for p in params]
         self.numels: list[int] = [p.numel() for p in params]
+        self.strides: list[tuple[int, ...]] = [memory_order_strides(p) for p in params]
+        # Segments whose memory order is not row-major (channels_last and other permutations).
+        self.permuted: frozenset[int] = frozenset(
+            i for i, p in enumerate(params) if self.strides[i] != _contiguous_strides(p.shape)
+        )
 
-        align_elems = alignment_bytes // torch.empty((), dtype=accum_dtype).element_size()
+        element_size = torch.empty((), dtype=accum_dtype).element_size()
+        align_elems = alignment_bytes // element_size
         offsets: list[int] = []
         cursor = 0
         for numel in self.numels:
@@ -77,6 +136,37 @@ class FlatGradBuffer:
         self.data: torch.Tensor = torch.zeros(cursor, dtype=accum_dtype, device=self.device)
         self._offsets_tensor: torch.Tensor | None = None
         self._numels_tensor: torch.Tensor | None = None
+        self.bucket_ranges: list[range] = _bucket_ranges(self.numels, element_size, bucket_bytes)
+        self._buckets: list[FlatGradBuffer] | None = None
+
+    @property
+    def buckets(self) -> list[FlatGradBuffer]:
+        """One buffer per bucket, in ``bucket_ranges`` order: same layout rules, ``data`` a view of this buffer.
+
+        Every op takes a bucket wherever it takes a buffer; segment ``j`` of bucket ``b`` is segment
+        ``bucket_ranges[b][j]`` of this buffer.
+        """
+        if self._buckets is None:
+            self._buckets = [self._sub_buffer(indices) for indices in self.bucket_ranges]
+        return self._buckets
+
+    def _sub_buffer(self, indices: range) -> FlatGradBuffer:
+        sub = object.__new__(FlatGradBuffer)
+        start = self.offsets[indices.start]
+        end = self.offsets[indices.stop] if indices.stop < len(self) else self.numel
+        sub.params = self.params[indices.start : indices.stop]
+        sub.device, sub.accum_dtype, sub.alignment_bytes = self.device, self.accum_dtype, self.alignment_bytes
+        sub.shapes = self.shapes[indices.start : indices.stop]
+        sub.numels = self.numels[indices.start : indices.stop]
+        sub.strides = self.strides[indices.start : indices.stop]
+        sub.permuted = frozenset(i - indices.start for i in self.permuted if i in indices)
+        sub.offsets = [offset - start for offset in self.offsets[indices.start : indices.stop]]
+        sub.numel = end - start
+        sub.data = self.data[start:end]
+        sub._offsets_tensor = sub._numels_tensor = None
+        sub.bucket_ranges = [range(len(sub.numels))]
+        sub._buckets = [sub]
+        return sub
 
     def __len__(self) -> int:
         return len(self.params)
@@ -112,10 +202,13 @@ class FlatGradBuffer:
         ``data`` may be any flat tensor with this buffer's layout, e.g. a lower-precision copy of it.
         """
         source = self.data if data is None else data
-        if source.dim() != 1 or source.numel() != self.numel:
-            raise ValueError(f"FlatGradBuffer.view: data must be flat with {self.numel} elements, got {source.shape}")
-        start = self.offsets[index]
-        return source[start : start + self.numels[index]].view(self.shapes[index])
+        if source.dim() != 1 or source.numel() != self.numel or not source.is_contiguous():
+            raise ValueError(
+                f"FlatGradBuffer.view: data must be flat and contiguous with {self.numel} elements, "
+                f"got shape {tuple(source.shape)}"
+            )
+        # The segment holds the parameter's memory order: the view has the parameter's strides.
+        return source.as_strided(self.shapes[index], self.strides[index], source.storage_offset() + self.offsets[index])
 
     def views(self, data: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every segment shaped like its parameter (see ``view``)."""

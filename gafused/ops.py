@@ -228,7 +228,10 @@ def check_grads(
     grads: Sequence[torch.Tensor | None],
     names: Sequence[str] | None = None,
 ) -> list[torch.Tensor | None]:
-    """Check micro-batch gradients against the buffer's layout; returns them, made contiguous where needed.
+    """Check micro-batch gradients against the buffer's layout; returns them in each segment's memory order.
+
+    Gradients come back contiguous, or, for a segment with a permuted memory order (a channels_last
+    parameter), as a flat view of the gradient's memory in that order (a copy only when the strides differ).
 
     This is the check ``fold_`` and ``fold_finish_`` run; a caller that runs it first (GradAccumulator does,
     for every buffer before folding any, so a refused step changes nothing) passes ``check=False`` to them.
@@ -242,7 +245,7 @@ def check_grads(
     grads = list(grads)
     if len(grads) != len(buffer):
         raise ValueError(f"grads must hold one entry per buffer segment ({len(buffer)}), got {len(grads)}")
-    device, numels = buffer.device, buffer.numels
+    device, numels, permuted = buffer.device, buffer.numels, buffer.permuted
     for index, grad in enumerate(grads):
         if grad is None:
             continue
@@ -256,9 +259,19 @@ def check_grads(
             raise _bad_grad(buffer, index, grad, names)
         if grad.requires_grad:  # a gradient with a graph of its own (create_graph=True): fold its value
             grads[index] = grad = grad.detach()
-        if not grad.is_contiguous():
+        if index in permuted:
+            grads[index] = _in_memory_order(grad, buffer.strides[index])
+        elif not grad.is_contiguous():
             grads[index] = grad.contiguous()
     return grads
+
+
+def _in_memory_order(grad: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """A flat tensor of ``grad``'s elements in the memory order of a segment with ``strides`` (e.g. channels_last):
+    a view when the gradient already has those strides, as autograd gives a parameter's gradient."""
+    if grad.stride() != strides:
+        grad = torch.empty_strided(grad.shape, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.as_strided((grad.numel(),), (1,))
 
 
 def _bad_grad(buffer: FlatGradBuffer, grads_index: int, grad: object, names: Sequence[str] | None) -> Exception:

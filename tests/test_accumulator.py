@@ -36,6 +36,22 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)  # mean-reduced: no division by N anywhere
 
 
+@pytest.fixture(params=["step", "backward"])
+def loop(request):
+    """The two loops: ``loss.backward(); opt.step(weight=w)`` and ``opt.backward(loss, weight=w); opt.step()``."""
+    return request.param
+
+
+def _micro_batch(opt, loss, loop, weight=None):
+    """One micro-batch through either loop."""
+    if loop == "backward":
+        opt.backward(loss, weight=weight)
+        opt.step()
+    else:
+        loss.backward()
+        opt.step(weight=weight)
+
+
 def _big_batch_step(model, optimizer, batches, max_norm=None):
     """One optimizer step on the concatenation of the micro-batches: the definition of correct."""
     optimizer.zero_grad()
@@ -54,7 +70,7 @@ def _assert_same_params(a, b, tolerance):
 
 @pytest.mark.parametrize("kind", ["sgd-momentum", "adamw"])
 @pytest.mark.parametrize("steps", [1, 3, 4])
-def test_matches_big_batch_in_float64(backend, kind, steps):
+def test_matches_big_batch_in_float64(backend, kind, steps, loop):
     model = _model()
     reference = copy.deepcopy(model)
     opt = GradAccumulator(_make_optimizer(kind, model.parameters()), accumulation_steps=steps, backend=backend)
@@ -63,8 +79,7 @@ def test_matches_big_batch_in_float64(backend, kind, steps):
     for window in range(3):
         batches = _data([4] * steps, seed=window)
         for index, (x, y) in enumerate(batches):
-            _loss(model, x, y).backward()
-            opt.step()
+            _micro_batch(opt, _loss(model, x, y), loop)
             assert opt.stepped == (index == steps - 1)
             assert opt.micro_step == (index + 1) % steps
             opt.zero_grad()
@@ -72,7 +87,7 @@ def test_matches_big_batch_in_float64(backend, kind, steps):
         _assert_same_params(model, reference, 1e-12)
 
 
-def test_unequal_weighted_micro_batches(backend):
+def test_unequal_weighted_micro_batches(backend, loop):
     model = _model()
     reference = copy.deepcopy(model)
     opt = GradAccumulator(_make_optimizer("adamw", model.parameters()), accumulation_steps=3, backend=backend)
@@ -81,8 +96,8 @@ def test_unequal_weighted_micro_batches(backend):
         sizes = [2, 7, 3] if window == 0 else [5, 1, 6]
         batches = _data(sizes, seed=10 + window)
         for n, (x, y) in zip(sizes, batches, strict=True):
-            _loss(model, x, y).backward()
-            opt.step(weight=n if window == 0 else torch.tensor(n))  # numbers and 0-d tensors
+            weight = n if window == 0 else torch.tensor(n)  # numbers and 0-d tensors
+            _micro_batch(opt, _loss(model, x, y), loop, weight)
             opt.zero_grad()
         _big_batch_step(reference, reference_opt, batches)
         _assert_same_params(model, reference, 1e-12)
@@ -103,7 +118,7 @@ def test_unweighted_unequal_micro_batches_are_not_the_big_batch(backend):
     assert difference > 1e-6
 
 
-def test_partial_window_with_flush(backend):
+def test_partial_window_with_flush(backend, loop):
     model = _model()
     reference = copy.deepcopy(model)
     opt = GradAccumulator(_make_optimizer("sgd-momentum", model.parameters()), accumulation_steps=4, backend=backend)
@@ -112,8 +127,7 @@ def test_partial_window_with_flush(backend):
     windows = [_data([3] * 4, seed=20), _data([3, 5], seed=21)]  # a full window, then an epoch's tail
     for batches in windows:
         for x, y in batches:
-            _loss(model, x, y).backward()
-            opt.step(weight=x.shape[0])
+            _micro_batch(opt, _loss(model, x, y), loop, x.shape[0])
             opt.zero_grad()
         if len(batches) < 4:
             assert not opt.stepped and opt.micro_step == 2
@@ -136,7 +150,7 @@ def test_flush_refuses_unfolded_gradients(backend):
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipping", "not-clipping"])
-def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm):
+def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm, loop):
     model = _model()
     reference = copy.deepcopy(model)
     opt = GradAccumulator(
@@ -146,8 +160,7 @@ def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm):
     for window in range(2):
         batches = _data([4, 4, 4], seed=30 + window)
         for x, y in batches:
-            _loss(model, x, y).backward()
-            opt.step()
+            _micro_batch(opt, _loss(model, x, y), loop)
         finished = [p.grad.clone() for p in model.parameters()]  # what the inner step used
         opt.zero_grad()
         norm = _big_batch_step(reference, reference_opt, batches, max_norm=max_norm)
@@ -160,15 +173,14 @@ def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm):
         assert float(opt.grad_norm) > max_norm  # the clipping branch really ran
 
 
-def test_norm_is_of_the_average_and_independent_of_n(backend):
+def test_norm_is_of_the_average_and_independent_of_n(backend, loop):
     norms = []
     for steps in (1, 2, 4):
         model = _model()
         opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.0), accumulation_steps=steps, backend=backend)
         x, y = _data([8], seed=40)[0]
         for xs, ys in zip(x.chunk(steps), y.chunk(steps), strict=True):
-            _loss(model, xs, ys).backward()
-            opt.step()
+            _micro_batch(opt, _loss(model, xs, ys), loop)
         norms.append(opt.grad_norm)
     torch.testing.assert_close(norms[1], norms[0], rtol=1e-12, atol=0)
     torch.testing.assert_close(norms[2], norms[0], rtol=1e-12, atol=0)
@@ -210,7 +222,7 @@ def _assert_unchanged(model, optimizer, snapshot):
 
 @pytest.mark.parametrize("position", [0, 1, 2], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
-def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, value):
+def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, value, loop):
     model = _model()
     reference = copy.deepcopy(model)
     inner = _make_optimizer("adamw", model.parameters())
@@ -218,17 +230,22 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
     opt = GradAccumulator(inner, accumulation_steps=3, max_grad_norm=1.0, backend=backend)
     warm = _data([2, 2, 2], seed=60)
     for x, y in warm:  # a normal window first, so there is optimizer state to protect
-        _loss(model, x, y).backward()
-        opt.step()
+        _micro_batch(opt, _loss(model, x, y), loop)
     opt.zero_grad()
     _big_batch_step(reference, reference_opt, warm, max_norm=1.0)
     snapshot = _snapshot(model, inner)
 
+    def poison(grad):
+        grad = grad.clone()
+        grad[1, 2] = value
+        return grad
+
     for index, (x, y) in enumerate(_data([2, 2, 2], seed=61)):
-        _loss(model, x, y).backward()
-        if index == position:
-            model[0].weight.grad[1, 2] = value
-        opt.step()
+        # The non-finite value enters the gradient inside backward, where both loops see it.
+        handle = model[0].weight.register_hook(poison) if index == position else None
+        _micro_batch(opt, _loss(model, x, y), loop)
+        if handle is not None:
+            handle.remove()
         opt.zero_grad()
     assert not opt.stepped and opt.skipped_steps == 1 and opt.micro_step == 0
     assert not math.isfinite(float(opt.grad_norm))
@@ -237,14 +254,13 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
 
     after = _data([2, 2, 2], seed=62)
     for x, y in after:
-        _loss(model, x, y).backward()
-        opt.step()
+        _micro_batch(opt, _loss(model, x, y), loop)
     assert opt.stepped
     _big_batch_step(reference, reference_opt, after, max_norm=1.0)
     _assert_same_params(model, reference, 1e-12)
 
 
-def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend):
+def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend, loop):
     model = _model()
     unused = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
     partial = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
@@ -259,8 +275,7 @@ def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend):
         if index == 1:  # `partial` takes part in one micro-batch of three
             loss = loss + (partial**2).sum()
             partial_grads.append(2 * partial.detach().clone())
-        loss.backward()
-        opt.step()
+        _micro_batch(opt, loss, loop)
         if index < 2:
             assert all(p.grad is None for p in inner.param_groups[0]["params"])  # folded and released
     assert opt.stepped
@@ -299,7 +314,7 @@ def test_float64_parameters_accumulate_in_float64():
     assert opt.buffers[0].accum_dtype == torch.float64
 
 
-def test_mid_window_checkpoint_resumes_exactly(backend):
+def test_mid_window_checkpoint_resumes_exactly(backend, loop):
     def build():
         model = _model()
         opt = GradAccumulator(
@@ -315,8 +330,7 @@ def test_mid_window_checkpoint_resumes_exactly(backend):
         uninterrupted_opt.step(weight=x.shape[0])
         uninterrupted_opt.zero_grad()
         if n_done < 6:  # 1 full window, then 2 micro-batches into the second
-            _loss(model, x, y).backward()
-            opt.step(weight=torch.tensor(x.shape[0]))
+            _micro_batch(opt, _loss(model, x, y), loop, torch.tensor(x.shape[0]))
             opt.zero_grad()
     assert opt.micro_step == 2
 
@@ -496,13 +510,12 @@ def test_parameters_added_later_are_refused():
 
 # The Triton interpreter computes with numpy, which warns on the 0 * inf this window is made of.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
-def test_zero_weight_window_is_skipped(backend):
+def test_zero_weight_window_is_skipped(backend, loop):
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, backend=backend)
     before = [p.detach().clone() for p in model.parameters()]
     for x, y in _data([2, 2], seed=120):
-        _loss(model, x, y).backward()
-        opt.step(weight=0)
+        _micro_batch(opt, _loss(model, x, y), loop, 0)
     assert not opt.stepped and opt.skipped_steps == 1
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)

@@ -1,0 +1,254 @@
+"""Peak memory of accumulation recipes, in bytes per parameter, measured exactly.
+
+    python bench/memory.py            # ~100 MB of fp32 parameters (24 x Linear(1024, 1024)), fp32 and bf16
+    python bench/memory.py --quick    # a smaller model
+
+Each recipe trains the same model on the same data for two windows of N micro-batches with AdamW; the
+figure is the peak of live tensor bytes during the second window (parameters, gradients, buffers, optimizer
+state, activations and temporaries all included), divided by the number of parameters. On CPU the live
+bytes come from torch.profiler's allocation events, which record every tensor allocation and free with its
+exact size (``track_peak`` is checked against known allocations by tests/test_memory.py); on a GPU from
+``torch.cuda.max_memory_allocated``.
+
+The recipes:
+- ``plain``: ``(loss / N).backward()``; autograd accumulates into ``p.grad`` (in the parameters' dtype);
+- ``megatron``: an fp32 ``main_grad`` per parameter, ``main_grad += p.grad.float()`` after each backward,
+  ``p.grad`` cast back for the optimizer step (bf16 parameters only: for fp32 it is ``plain``);
+- ``gafused-step``: ``loss.backward(); opt.step(weight=w)`` (folds at step time);
+- ``gafused-backward``: ``opt.backward(loss, weight=w); opt.step()`` (folds during backward, bucket by bucket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gafused  # noqa: E402 - run as a script from a checkout as well as installed
+
+RECIPES = ("plain", "megatron", "gafused-step", "gafused-backward")
+ACCUMULATION_STEPS = 4
+_MARK_BYTES = 7_777  # an allocation of this odd size marks where the measured window starts
+
+
+# --- the tracker ------------------------------------------------------------------------------------------
+
+
+class _CpuTracker:
+    """Live tensor bytes on the CPU from the profiler's allocation events (exact sizes, in order)."""
+
+    def __init__(self) -> None:
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> _CpuTracker:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+
+    def mark(self) -> None:
+        """Mark the start of the measured stretch."""
+        marker = torch.empty(_MARK_BYTES, dtype=torch.uint8)
+        del marker
+
+    def peak_after_mark(self) -> int:
+        """The highest live byte count after ``mark()`` (live bytes counted from the tracker's start)."""
+        events = [
+            event
+            for event in self._profile.profiler.kineto_results.events()
+            if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+        ]
+        events.sort(key=lambda event: event.start_ns())  # a stable sort keeps same-timestamp events in order
+        live, peak, marked = 0, 0, False
+        for event in events:
+            live += event.nbytes()
+            if not marked and event.nbytes() == _MARK_BYTES:
+                marked, peak = True, live - _MARK_BYTES
+            elif marked:
+                peak = max(peak, live)
+        if not marked:
+            raise RuntimeError("memory tracker: the mark() allocation was not recorded")
+        return peak
+
+
+class _CudaTracker:
+    """Live bytes on the current CUDA device from the caching allocator's statistics."""
+
+    def __enter__(self) -> _CudaTracker:
+        torch.cuda.synchronize()
+        self._start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()
+
+    def mark(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_after_mark(self) -> int:
+        return torch.cuda.max_memory_allocated() - self._start
+
+
+@contextlib.contextmanager
+def track_peak(device: torch.device) -> Iterator[_CpuTracker | _CudaTracker]:
+    """Track live tensor bytes allocated inside the block; ``peak_after_mark()`` once it has exited."""
+    gc.collect()
+    tracker = _CudaTracker() if device.type == "cuda" else _CpuTracker()
+    with tracker:
+        yield tracker
+
+
+# --- the recipes ------------------------------------------------------------------------------------------
+
+
+def _model(layers: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width, bias=True), torch.nn.Tanh()]
+    return torch.nn.Sequential(*blocks).to(device=device, dtype=dtype)
+
+
+def _micro_batches(count: int, width: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(4, width, generator=generator).to(device=device, dtype=dtype) for _ in range(count)]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def _train(recipe: str, model: torch.nn.Module, data: list[torch.Tensor], tracker, bucket_bytes: int) -> None:
+    """Two windows of ``recipe``; the tracker is marked where the second window starts."""
+    n = ACCUMULATION_STEPS
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = None
+    if recipe.startswith("gafused"):
+        opt = gafused.GradAccumulator(inner, n, backend="auto", bucket_bytes=bucket_bytes)
+    if recipe == "megatron":
+        for param in model.parameters():
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+    for window in range(2):
+        if window == 1:
+            tracker.mark()
+        for x in data[window * n : (window + 1) * n]:
+            loss = _loss(model, x)
+            if recipe == "gafused-backward":
+                opt.backward(loss, weight=1)
+                opt.step()
+                opt.zero_grad()
+            elif recipe == "gafused-step":
+                loss.backward()
+                opt.step(weight=1)
+                opt.zero_grad()
+            else:
+                (loss / n).backward()
+                if recipe == "megatron":
+                    for param in model.parameters():
+                        param.main_grad += param.grad.float()
+                        param.grad = None
+            del loss
+        if recipe == "plain":
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+        elif recipe == "megatron":
+            for param in model.parameters():
+                param.grad = param.main_grad.to(param.dtype)
+            inner.step()
+            for param in model.parameters():
+                param.grad = None
+                param.main_grad.zero_()
+
+
+def measure(
+    recipe: str,
+    dtype: torch.dtype,
+    layers: int = 24,
+    width: int = 1024,
+    device: torch.device | str = "cpu",
+    bucket_bytes: int = gafused.buffer.DEFAULT_BUCKET_BYTES,
+) -> dict:
+    """Peak live bytes of ``recipe`` over its second window, and per parameter."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    device = torch.device(device)
+    with track_peak(device) as tracker:
+        model = _model(layers, width, dtype, device)
+        data = _micro_batches(2 * ACCUMULATION_STEPS, width, dtype, device)
+        _train(recipe, model, data, tracker, bucket_bytes)
+        params = sum(p.numel() for p in model.parameters())
+        del model, data
+    peak = tracker.peak_after_mark()
+    return {
+        "recipe": recipe,
+        "param_dtype": str(dtype).removeprefix("torch."),
+        "params": params,
+        "peak_bytes": peak,
+        "peak_bytes_per_param": peak / params,
+        "device": str(device),
+    }
+
+
+def _note(recipe: str, dtype: torch.dtype) -> str:
+    if recipe == "plain" and dtype != torch.float32:
+        return "accumulates in bf16"
+    if recipe == "gafused-step":
+        return "buffer + a full set of grads at step()"
+    if recipe == "gafused-backward":
+        return "buffer + about one bucket"
+    return ""
+
+
+def run(quick: bool, progress: Callable | None = None) -> list[dict]:
+    """Every recipe for fp32 and bf16 parameters: rows of recipe, param_dtype, peak_bytes_per_param, note.
+
+    Args:
+        quick: a smaller model (8 x Linear(512, 512), 1 MiB buckets) instead of ~100 MB of parameters.
+        progress: optional ``progress(desc, total)`` returning an object with ``update()`` and ``close()``.
+    """
+    layers, width = (8, 512) if quick else (24, 1024)
+    bucket_bytes = 2**20 if quick else gafused.buffer.DEFAULT_BUCKET_BYTES
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = [
+        (recipe, dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+        for recipe in RECIPES
+        if not (recipe == "megatron" and dtype == torch.float32)
+    ]
+    bar = progress("memory: peak bytes per parameter", len(cases)) if progress is not None else None
+    rows = []
+    for recipe, dtype in cases:
+        row = measure(recipe, dtype, layers, width, device, bucket_bytes)
+        row["note"] = _note(recipe, dtype)
+        rows.append(row)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    print(f"{'recipe':<18} {'params':<9} {'peak MB':>9} {'bytes/param':>12}  note")
+    for row in rows:
+        print(
+            f"{row['recipe']:<18} {row['param_dtype']:<9} {row['peak_bytes'] / 2**20:>9.1f} "
+            f"{row['peak_bytes_per_param']:>12.2f}  {row['note']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

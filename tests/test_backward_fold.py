@@ -1,0 +1,251 @@
+"""Folding during backward: ``opt.backward(loss, weight=w); opt.step()``, bucket by bucket.
+
+Every result is compared with the step-time loop or a float64 big batch; each test runs for every backend that
+can run here (Triton through its interpreter on CPU).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from gafused import GradAccumulator, ops
+
+WIDTH = 6
+
+
+def _model(layers=4, seed=0):
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
+    return torch.nn.Sequential(*blocks).double()
+
+
+def _batches(count, rows=3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows + i, WIDTH, generator=generator, dtype=torch.float64) for i in range(count)]
+
+
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+def _layer_bytes():
+    return (WIDTH * WIDTH + WIDTH) * 8
+
+
+def _assert_same(a, b, tolerance=1e-12):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=tolerance, atol=tolerance)
+
+
+def _step_time_run(model, batches, steps, weights, **kwargs):
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), steps, **kwargs)
+    for x, w in zip(batches, weights, strict=True):
+        _loss(model, x).backward()
+        opt.step(weight=w)
+        opt.zero_grad()
+    return opt
+
+
+def test_buckets_are_folded_and_released_while_backward_runs(backend, monkeypatch):
+    """When the first layer's gradient lands, every later layer's bucket is already folded and released."""
+    model = _model()
+    # One bucket per Linear layer (weight + bias): 4 buckets.
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend, bucket_bytes=_layer_bytes() - 8
+    )
+    assert len(opt.buffers[0].bucket_ranges) == 4
+    folds = []
+    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, folds, "fold_"))
+    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, folds, "fold_finish_"))
+    seen = {}
+
+    def probe(param):  # runs after the accumulator's own hook on this parameter
+        seen["later grads"] = [p.grad for p in model[6].parameters()]
+        seen["folds so far"] = len(folds)
+
+    model[0].weight.register_post_accumulate_grad_hook(probe)
+    for index, x in enumerate(_batches(2)):
+        folds.clear()
+        opt.backward(_loss(model, x), weight=float(x.shape[0]))
+        assert seen["later grads"] == [None, None]  # the last layer's bucket was folded before the first's
+        assert seen["folds so far"] >= 3
+        assert folds == ["fold_" if index == 0 else "fold_finish_"] * 4  # one op per bucket, none per parameter
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+    assert opt.stepped
+
+
+def _counting(function, log, name):
+    def wrapper(*args, **kwargs):
+        log.append(name)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("n_params", [3, 300])
+def test_ops_per_micro_batch_are_buckets_not_parameters(monkeypatch, n_params):
+    """The same total size in 3 or 300 parameters and 2 buckets: 2 fold ops per micro-batch either way."""
+    sizes = [600 // n_params] * n_params
+    params = [torch.nn.Parameter(torch.randn(size, dtype=torch.float64)) for size in sizes]
+    opt = GradAccumulator(torch.optim.SGD(params, lr=0.1), 3, backend="reference", bucket_bytes=300 * 8)
+    assert len(opt.buffers[0].bucket_ranges) == 2
+    calls = []
+    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, calls, "fold_"))
+    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, calls, "fold_finish_"))
+    per_micro_batch = []
+    for _ in range(3):
+        calls.clear()
+        opt.backward(sum((p * p).sum() for p in params))
+        opt.step()
+        per_micro_batch.append(list(calls))
+    assert per_micro_batch == [["fold_"] * 2, ["fold_"] * 2, ["fold_finish_"] * 2]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_matches_the_step_time_loop_with_small_buckets(backend, steps):
+    batches = _batches(2 * steps)
+    weights = [float(x.shape[0]) for x in batches]
+    model, reference = _model(), _model()
+    _step_time_run(reference, batches, steps, weights, backend=backend)
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), steps, backend=backend, bucket_bytes=1
+    )
+    for x, w in zip(batches, weights, strict=True):
+        opt.backward(_loss(model, x), weight=w)
+        opt.step()
+        opt.zero_grad()
+    _assert_same(model, reference)
+
+
+def test_unused_parameter_leaves_its_bucket_incomplete_and_is_still_exact(backend):
+    model = _model()
+    spare = torch.nn.Parameter(torch.randn(WIDTH, dtype=torch.float64))
+    model.register_parameter("spare", spare)  # in the first layer's bucket, never used
+    reference = copy.deepcopy(model)
+    batches = _batches(3)
+    weights = [float(x.shape[0]) for x in batches]
+    _step_time_run(reference, batches, 3, weights, backend=backend)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 3, backend=backend)
+    for x, w in zip(batches, weights, strict=True):
+        opt.backward(_loss(model, x), weight=w)
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+    assert spare.grad is None and opt.stepped
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_several_backward_calls_in_one_micro_batch(backend, steps):
+    """Two losses with retain_graph, folded one after the other, equal one backward of their sum, also on a
+    window's last micro-batch (where the second backward adds to buckets already finished)."""
+    batches = _batches(steps)
+    model, reference = _model(), _model()
+    ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), steps, backend=backend)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps, backend=backend, bucket_bytes=1)
+    for x in batches:
+        out = reference(x)
+        (out.square().mean() + out.abs().mean()).backward()
+        ref_opt.step(weight=5)
+        out = model(x)
+        opt.backward(out.square().mean(), weight=5, retain_graph=True)
+        opt.backward(out.abs().mean())  # the same micro-batch: its weight carries over
+        opt.step()
+    assert opt.stepped
+    torch.testing.assert_close(opt.grad_norm, ref_opt.grad_norm, rtol=1e-12, atol=0)
+    _assert_same(model, reference)
+
+
+def test_a_plain_backward_before_opt_backward_joins_the_micro_batch(backend):
+    batches = _batches(2)
+    model, reference = _model(), _model()
+    ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 2, backend=backend)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    for x in batches:
+        (_loss(reference, x) * 2).backward()
+        ref_opt.step(weight=3)
+        _loss(model, x).backward()  # accumulates into p.grad; folded with the next backward's gradients
+        opt.backward(_loss(model, x), weight=3)
+        opt.step()
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing(backend, reentrant):
+    batches = _batches(2)
+    model, reference = _model(), _model()
+    weights = [float(x.shape[0]) for x in batches]
+    _step_time_run(reference, batches, 2, weights, backend=backend)
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, backend=backend, bucket_bytes=1
+    )
+
+    def checkpointed_loss(x):
+        hidden = torch.utils.checkpoint.checkpoint(model[:4], x, use_reentrant=reentrant)
+        return model[4:](hidden).square().mean()
+
+    for x, w in zip(batches, weights, strict=True):
+        opt.backward(checkpointed_loss(x.requires_grad_(reentrant)), weight=w)
+        opt.step()
+    _assert_same(model, reference)
+
+
+def test_create_graph_folds_the_gradient_values(backend):
+    batches = _batches(2)
+    model, reference = _model(), _model()
+    _step_time_run(reference, batches, 2, [1.0, 1.0], backend=backend)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, backend=backend)
+    for x in batches:
+        opt.backward(_loss(model, x), create_graph=True)
+        opt.step()
+    _assert_same(model, reference)
+
+
+def test_weight_given_to_backward_and_step_is_refused_and_changes_nothing(backend):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x = _batches(1)[0]
+    opt.backward(_loss(model, x), weight=2)
+    before = opt.buffers[0].data.clone()
+    with pytest.raises(ValueError, match="already given to backward"):
+        opt.step(weight=2)
+    assert opt.micro_step == 0 and torch.equal(opt.buffers[0].data, before)
+    with pytest.raises(ValueError, match="weight was given as 2"):
+        opt.backward(_loss(model, x), weight=3)
+    opt.step()
+    assert opt.micro_step == 1
+
+
+def test_state_dict_and_flush_refuse_an_unfinished_micro_batch(backend):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    opt.backward(_loss(model, _batches(1)[0]))
+    with pytest.raises(RuntimeError, match="call step"):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match="call step"):
+        opt.flush()
+    opt.step()
+    assert opt.flush() is True
+
+
+def test_grad_scaler_through_backward_matches_the_step_time_recipe(backend):
+    batches = _batches(4)
+    runs = []
+    for loop in ("step", "backward"):
+        model = _model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend, grad_scaler=scaler)
+        for x in batches:
+            if loop == "backward":
+                opt.backward(_loss(model, x), weight=float(x.shape[0]))  # scales the loss itself
+                opt.step()
+            else:
+                scaler.scale(_loss(model, x)).backward()
+                opt.step(weight=float(x.shape[0]))
+        runs.append((model, scaler.get_scale()))
+    assert runs[0][1] == runs[1][1] == 2.0**12  # grew once per window
+    _assert_same(runs[0][0], runs[1][0])

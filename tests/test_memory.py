@@ -1,0 +1,60 @@
+"""Peak memory, measured exactly: folding during backward costs no more than the recipes it replaces.
+
+The tracker counts every tensor allocation and free (torch.profiler's allocation events on CPU); it is first
+checked against allocations of known sizes. The model is ~100 MB of fp32 parameters (24 x Linear(1024, 1024)).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+memory = pytest.importorskip("memory", reason="bench/memory.py ships with a source checkout, not the sdist")
+
+BUCKET = 32 * 2**20
+
+
+def test_tracker_counts_known_allocations_exactly():
+    with memory.track_peak(torch.device("cpu")) as tracker:
+        kept = torch.empty(1000, dtype=torch.float32)  # 4000 bytes, alive before the mark
+        tracker.mark()
+        a = torch.empty(3000, dtype=torch.float64)  # 24000
+        b = torch.empty(500, dtype=torch.uint8)  # 500: peak = 4000 + 24000 + 500
+        del a, b
+        c = torch.empty(2000, dtype=torch.float32)  # 8000: below the peak
+        del c, kept
+    assert tracker.peak_after_mark() == 4000 + 24000 + 500
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    rows = {}
+    for recipe, dtype in [
+        ("plain", torch.float32),
+        ("gafused-backward", torch.float32),
+        ("megatron", torch.bfloat16),
+        ("gafused-backward", torch.bfloat16),
+        ("gafused-step", torch.bfloat16),
+    ]:
+        rows[recipe, dtype] = memory.measure(recipe, dtype)
+    return rows
+
+
+def test_fold_during_backward_fp32_is_no_higher_than_plain_pytorch(peaks):
+    plain = peaks["plain", torch.float32]
+    ours = peaks["gafused-backward", torch.float32]
+    assert plain["params"] * 4 > 95e6  # the model really is ~100 MB of parameters
+    assert ours["peak_bytes"] <= plain["peak_bytes"] + BUCKET
+
+
+def test_fold_during_backward_bf16_is_no_higher_than_megatron_main_grad(peaks):
+    assert (
+        peaks["gafused-backward", torch.bfloat16]["peak_bytes"]
+        <= peaks["megatron", torch.bfloat16]["peak_bytes"] + BUCKET
+    )
+    # The step-time loop no longer holds the last micro-batch's gradients through the inner step.
+    assert (
+        peaks["gafused-step", torch.bfloat16]["peak_bytes"] <= peaks["megatron", torch.bfloat16]["peak_bytes"] + BUCKET
+    )

@@ -1,0 +1,390 @@
+"""Failure semantics: nothing silently wrong, failures surface, a refused call changes nothing.
+
+Each case below was wrong once; each test compares against plain PyTorch or a float64 truth.
+"""
+
+import copy
+import gc
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gafused import GradAccumulator
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+
+
+def _batches(count, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2 + i % 3, 5, generator=generator, dtype=torch.float64) for i in range(count)]
+
+
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+def _assert_same(a, b, tolerance=1e-12):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=tolerance, atol=tolerance)
+
+
+def _truth(model, windows, lr=0.1):
+    """Plain PyTorch: one SGD step per window on the token-weighted big batch."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    for window in windows:
+        sgd.zero_grad()
+        total = sum(x.shape[0] for x in window)
+        sum(_loss(model, x) * x.shape[0] / total for x in window).backward()
+        sgd.step()
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_no_zero_grad_after_step_or_flush_does_not_leak_into_the_next_window(backend, loop):
+    """The finished gradient stays readable as p.grad, and the next backward never adds into it."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    batches = _batches(5)
+    windows = []
+    for _ in range(2):  # two epochs of a full window and a flushed partial one, no zero_grad anywhere
+        for x in batches:
+            if loop == "backward":
+                opt.backward(_loss(model, x), weight=x.shape[0])
+                opt.step()
+            else:
+                _loss(model, x).backward()
+                opt.step(weight=x.shape[0])
+            if opt.stepped:
+                assert all(p.grad is not None for p in model.parameters())  # readable until the next backward
+        assert opt.flush() is True
+        windows += [batches[:3], batches[3:]]
+    _truth(reference, windows)
+    _assert_same(model, reference)
+
+
+def test_unused_parameter_keeps_the_published_gradient_out_of_the_next_window(backend):
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x1, x2, x3, x4 = _batches(4)
+    for x in (x1, x2):
+        _loss(model, x).backward()
+        opt.step(weight=x.shape[0])
+    published = model[2].weight.grad
+    # The next window uses only the first layer: model[2]'s p.grad is still the published view, not a gradient.
+    for x in (x3, x4):
+        model[0](x).square().mean().backward()
+        opt.step(weight=x.shape[0])
+    assert published is not None and model[2].weight.grad is None  # no gradient in the window: None, as in torch
+    _truth(reference, [[x1, x2]])
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sgd.zero_grad()
+    total = x3.shape[0] + x4.shape[0]
+    sum(reference[0](x).square().mean() * x.shape[0] / total for x in (x3, x4)).backward()
+    sgd.step()
+    _assert_same(model, reference)
+
+
+class _FlakyStep(torch.optim.SGD):
+    """SGD whose step raises when told to."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if self.fail:
+            raise RuntimeError("inner step failed")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_failing_inner_step_surfaces_and_training_goes_on(backend, loop):
+    model, reference = _model(), _model()
+    inner = _FlakyStep(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, 2, backend=backend)
+    batches = _batches(6)
+    inner.fail = True
+    with pytest.raises(RuntimeError, match="inner step failed") as raised:
+        for x in batches[:2]:
+            if loop == "backward":
+                opt.backward(_loss(model, x), weight=x.shape[0])
+                opt.step()
+            else:
+                _loss(model, x).backward()
+                opt.step(weight=x.shape[0])
+    assert "window was discarded" in "".join(getattr(raised.value, "__notes__", []))
+    assert opt.micro_step == 0 and not opt.stepped
+    assert all(p.grad is None for p in model.parameters())
+    inner.fail = False
+    for x in batches[2:]:
+        _loss(model, x).backward()
+        opt.step(weight=x.shape[0])
+    _truth(reference, [batches[2:4], batches[4:6]])
+    _assert_same(model, reference)
+
+
+def test_exception_in_a_gradient_hook_discards_the_window_and_training_goes_on(backend):
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=1)
+    batches = _batches(5)
+    opt.backward(_loss(model, batches[0]), weight=2)
+    opt.step()
+
+    def explode(grad):
+        raise RuntimeError("hook failed")
+
+    handle = model[0].weight.register_hook(explode)  # fires after later layers' buckets were folded
+    with pytest.raises(RuntimeError, match="hook failed") as raised:
+        opt.backward(_loss(model, batches[1]), weight=2)
+    handle.remove()
+    assert "window was discarded" in "".join(raised.value.__notes__)
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    for x in batches[2:]:
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    _truth(reference, [batches[2:]])
+    _assert_same(model, reference)
+
+
+def test_backward_that_fails_before_any_fold_changes_nothing(backend):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    opt.backward(_loss(model, _batches(1)[0]), weight=2)
+    opt.step()
+    before = opt.buffers[0].data.clone()
+    with pytest.raises(RuntimeError):
+        opt.backward(torch.ones((), dtype=torch.float64))  # no graph: autograd refuses before any hook runs
+    assert opt.micro_step == 1 and torch.equal(opt.buffers[0].data, before)
+    opt.backward(_loss(model, _batches(1)[0]), weight=5)  # a new micro-batch with its own weight
+    opt.step()
+    assert opt.micro_step == 2
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_channels_last_parameters_with_fused_optimizers(kind, loop):
+    """Fused CPU optimizers walk p.grad's memory as the parameter's: p.grad must have p's strides."""
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(conv)
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+    }[kind]
+    opt = GradAccumulator(make(conv.parameters()), 2, backend="reference")
+    ref_opt = make(reference.parameters())
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        xs = [torch.randn(2, 3, 6, 7, generator=generator).to(memory_format=torch.channels_last) for _ in range(2)]
+        for x in xs:
+            if loop == "backward":
+                opt.backward(conv(x).square().mean())
+                opt.step()
+            else:
+                conv(x).square().mean().backward()
+                opt.step()
+        assert conv.weight.grad.stride() == conv.weight.stride()
+        ref_opt.zero_grad()
+        sum(reference(x).square().mean() / 2 for x in xs).backward()
+        ref_opt.step()
+        for p, r in zip(conv.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_channels_last_gradient_with_other_strides_is_reordered():
+    """A gradient given row-major for a channels_last parameter lands in the parameter's memory order."""
+    param = torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=0.0), 1, backend="reference")
+    grad = torch.randn(2, 3, 4, 5)
+    param.grad = grad.clone()  # contiguous, not channels_last
+    opt.step()
+    assert param.grad.stride() == param.stride()
+    torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+
+
+def test_a_parameter_listed_twice_is_refused():
+    w = torch.nn.Parameter(torch.randn(3))
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="listed once"):
+        GradAccumulator(torch.optim.SGD([w, w], lr=0.1), 2)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda p: torch.optim.LBFGS(p), "LBFGS"),
+        (lambda p: torch.optim.SparseAdam(p), "SparseAdam"),
+    ],
+)
+def test_optimizers_that_cannot_step_on_a_finished_gradient_are_refused(make, name):
+    with pytest.raises(TypeError, match=name):
+        GradAccumulator(make([torch.nn.Parameter(torch.randn(3))]), 2)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [np.float32(3), np.int64(3), np.float64(3), 3, 3.0],
+    ids=["np.float32", "np.int64", "np.float64", "int", "float"],
+)
+def test_numpy_and_python_numbers_are_weights(weight):
+    param = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), 2)
+    for g, w in ((1.0, weight), (4.0, 1)):
+        param.grad = torch.full((2,), g, dtype=torch.float64)
+        opt.step(weight=w)
+    torch.testing.assert_close(param.grad, torch.full((2,), (3 * 1.0 + 4.0) / 4, dtype=torch.float64))
+
+
+def test_overflowing_numbers_raise_value_errors_naming_the_argument():
+    param = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        GradAccumulator(torch.optim.SGD([param], lr=1.0), 2, max_grad_norm=10**400)
+    opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), 2)
+    param.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="weight"):
+        opt.step(weight=10**400)
+    with pytest.raises(TypeError, match="weight"):
+        opt.step(weight=np.bool_(True))
+    assert opt.micro_step == 0
+
+
+def test_tensor_learning_rate_changed_inside_a_window_warns():
+    param = torch.nn.Parameter(torch.ones(2))
+    inner = torch.optim.Adam([param], lr=torch.tensor(0.1))
+    opt = GradAccumulator(inner, 3)
+    param.grad = torch.ones(2)
+    opt.step()
+    inner.param_groups[0]["lr"].fill_(0.05)  # what a scheduler does to a tensor learning rate
+    param.grad = torch.ones(2)
+    with pytest.warns(UserWarning, match="learning rate changed"):
+        opt.step()
+
+
+# --- load_state_dict: validate everything, then change anything ------------------------------------------
+
+
+def _mid_window(backend="reference"):
+    model = _model()
+    opt = GradAccumulator(torch.optim.AdamW(model.parameters(), lr=0.1), 3, backend=backend)
+    for x in _batches(4):  # one finished window (AdamW state exists) and one micro-batch of the next
+        _loss(model, x).backward()
+        opt.step(weight=x.shape[0])
+    return model, opt
+
+
+def _everything(opt):
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    return buffer.getvalue(), opt.micro_step, opt._weight_sum, [b.data.clone() for b in opt.buffers]
+
+
+def _corrupt(field):
+    def edit(state):
+        window = state["gafused"]
+        if field == "segments missing":
+            del window["buffers"][0]["segments"]
+        elif field == "segments truncated":
+            window["buffers"][0]["segments"] = window["buffers"][0]["segments"][:-1]
+        elif field == "micro_step negative":
+            window["micro_step"] = -1
+        elif field == "micro_step too large":
+            window["micro_step"] = 3
+        elif field == "had_grad length":
+            window["buffers"][0]["had_grad"] = window["buffers"][0]["had_grad"][:-1]
+        elif field == "weight_sum missing":
+            window["weight_sum"] = None
+        elif field == "gafused None":
+            state["gafused"] = None
+        elif field == "buffers None":
+            window["buffers"] = None
+        elif field == "version":
+            window["version"] = 99
+        elif field == "skipped_steps":
+            window["skipped_steps"] = "many"
+        elif field == "window_lrs":
+            window["window_lrs"] = [0.1, 0.2]
+        return state
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "field, message",
+    [
+        ("segments missing", r"\['segments'\]"),
+        ("segments truncated", r"\['segments'\]"),
+        ("micro_step negative", "micro_step"),
+        ("micro_step too large", "micro_step"),
+        ("had_grad length", "had_grad"),
+        ("weight_sum missing", "weight_sum"),
+        ("gafused None", r"\['gafused'\]"),
+        ("buffers None", "buffers"),
+        ("version", "version"),
+        ("skipped_steps", "skipped_steps"),
+        ("window_lrs", "window_lrs"),
+    ],
+)
+def test_refused_load_state_dict_changes_nothing(field, message):
+    _, source = _mid_window()
+    state = _corrupt(field)(copy.deepcopy(source.state_dict()))
+    model, target = _mid_window()
+    for x in _batches(2, seed=9):  # make the target differ from the checkpoint
+        _loss(model, x).backward()
+        target.step()
+    before = _everything(target)
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    after = _everything(target)
+    assert before[0] == after[0] and before[1] == after[1]
+    assert torch.equal(before[2], after[2])
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+
+
+def test_failure_inside_the_inner_load_changes_nothing_of_the_window(monkeypatch):
+    _, source = _mid_window()
+    state = source.state_dict()
+    _, target = _mid_window()
+    target.step()  # micro_step 2 while the checkpoint holds 1
+    before = _everything(target)
+
+    def broken(_):
+        raise RuntimeError("inner load failed")
+
+    monkeypatch.setattr(target.optimizer, "load_state_dict", broken)
+    with pytest.raises(RuntimeError, match="inner load failed"):
+        target.load_state_dict(state)
+    after = _everything(target)
+    assert before[1] == after[1] == 2
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+
+
+# --- a long run: flat memory --------------------------------------------------------------------------------
+
+
+def _live_tensors():
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_long_run_keeps_memory_flat(loop):
+    """Thousands of micro-steps: the number of live tensors does not grow."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.AdamW(model.parameters(), lr=1e-3), 4, max_grad_norm=1.0)
+    x = _batches(1)[0]
+    counts = []
+    for step in range(2000):
+        if loop == "backward":
+            opt.backward(_loss(model, x), weight=3)
+            opt.step()
+        else:
+            _loss(model, x).backward()
+            opt.step(weight=3)
+        if step in (999, 1999):  # the same position in a window, after a warm-up
+            counts.append(_live_tensors())
+    assert counts[1] <= counts[0]  # earlier tests' garbage may still go; nothing of this run may stay
+    assert math.isfinite(float(opt.grad_norm))
