@@ -3,7 +3,7 @@
 The user's loop keeps calling ``backward`` / ``step`` / ``zero_grad`` every micro-batch. Each ``step()`` folds
 the micro-batch's gradients into flat accumulation buffers and releases them; the N-th call (or ``flush()``)
 finishes the window: scale by 1 / sum of weights, global norm, non-finite check, clip, then the inner
-optimizer's step. The math is DESIGN.md section 1; the window is a small state machine:
+optimizer's step. The math is docs/design.md section 1; the window is a small state machine:
 
     micro_step == 0  --step()-->  micro_step == 1  ...  --step() (the N-th) or flush()-->  finished
                                                                                           (inner step or skip)

@@ -49,7 +49,7 @@ def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype
 
 
 def test_traffic_matches_the_design_table() -> None:
-    # DESIGN.md section 3, bf16 grads into fp32: first 6, middle 10 bytes per element; fp32 grads add 2.
+    # docs/design.md section 3, bf16 grads into fp32: first 6, middle 10 bytes per element; fp32 grads add 2.
     assert traffic.bytes_per_element("first", torch.bfloat16) == 6
     assert traffic.bytes_per_element("middle", torch.bfloat16) == 10
     assert traffic.bytes_per_element("middle", torch.float32) == 12
@@ -60,7 +60,7 @@ def test_traffic_matches_the_design_table() -> None:
 
 
 def test_kernel_sweep_traffic_matches_the_design_table() -> None:
-    # DESIGN.md section 3: fold and the fused finish move 10 bytes per element for bf16 grads (12 for fp32);
+    # docs/design.md section 3: fold and the fused finish move 10 bytes per element for bf16 grads (12 for fp32);
     # writing the finished bf16 gradient reads acc and writes 2 bytes; a norm alone reads acc.
     assert traffic.op_bytes_per_element("fold", torch.bfloat16) == 10
     assert traffic.op_bytes_per_element("fold_finish", torch.float32) == 12
