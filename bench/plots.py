@@ -120,7 +120,7 @@ def micro_ms(rows: list[dict] | None, path: Path, device_label: str, provider_or
                 xs = [i + shift for i, (_, s, _) in enumerate(sets) if s in values]
                 axis.bar(xs, [values[s] for _, s, _ in sets if s in values], width, label=name)
             axis.set_xticks(range(len(sets)))
-            axis.set_xticklabels([f"{s}\n{n:.2g} elements, {t} tensors" for n, s, t in sets], fontsize=7)
+            axis.set_xticklabels([f"{s}\n{t} tensors\n{n / 1e6:.2g}M elements" for n, s, t in sets], fontsize=7)
             axis.set_yscale("log")
             axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
             axis.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
@@ -140,7 +140,7 @@ def kernels(rows: list[dict] | None, path: Path, device_label: str, cpu: bool) -
     if not ok:
         return None
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(8, 4.8))
+    figure, axis = plt.subplots(figsize=(10, 4.8))
     copy = sorted({(r["acc_mb"], r["copy_gbps"]) for r in ok})
     axis.plot([c[0] for c in copy], [c[1] for c in copy], color="black", linewidth=2.2, marker="s",
               label="copy_ of the same size")  # fmt: skip
@@ -159,7 +159,7 @@ def kernels(rows: list[dict] | None, path: Path, device_label: str, cpu: bool) -
     where = "CPU path (reference backend, not the GPU kernels)" if cpu else "GPU kernels"
     axis.set_title(f"gafused ops vs copy_ bandwidth - {where}\n{device_label}", fontsize=9)
     axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=7, loc="best")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(figure, path)
 
 
