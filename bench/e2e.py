@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from progress import ProgressFactory, open_bar
 from timing import Timer
 from torch import nn
 
@@ -80,11 +81,14 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()  # the loss in fp32 under autocast; a float64 model stays float64
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def config_for(device: torch.device, quick: bool) -> TinyGPTConfig:
-    """GPT-2 124M at sequence 1024 on GPU; a tiny model on CPU (and in ``--quick``)."""
+def config_for(device: torch.device, mode: str) -> TinyGPTConfig:
+    """GPT-2 124M at sequence 1024 on GPU; a small model on CPU, a tiny one in ``--quick``."""
+    quick = mode == "quick"
     if device.type == "cuda" and not quick:
         return TinyGPTConfig(vocab=50257, hidden=768, layers=12, heads=12, seq_len=1024, batch=4, accumulation_steps=4)
     if quick:
@@ -92,17 +96,24 @@ def config_for(device: torch.device, quick: bool) -> TinyGPTConfig:
     return TinyGPTConfig(vocab=2048, hidden=128, layers=4, heads=4, seq_len=128, batch=4, accumulation_steps=4)
 
 
-def run_e2e(device: torch.device, quick: bool, timer: Timer, max_grad_norm: float = 1.0) -> dict:
+def run_e2e(
+    device: torch.device,
+    mode: str,
+    timer: Timer,
+    max_grad_norm: float = 1.0,
+    progress: ProgressFactory | None = None,
+) -> dict:
     """Time one optimizer step of each recipe; returns the config and one row per recipe.
 
     Args:
         device: where the model trains.
-        quick: smaller model (the smoke run).
+        mode: "quick" (a tiny model, the smoke run), "default" or "full" (see ``config_for``).
         timer: the run's timer (its budget and repetitions apply to whole optimizer steps).
         max_grad_norm: clip threshold of every recipe.
+        progress: the run's progress factory (see progress.py), or None.
     """
     device = torch.device(device)
-    config = config_for(device, quick)
+    config = config_for(device, mode)
     generator = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, config.vocab, (config.batch, config.seq_len + 1), generator=generator).to(device)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -161,6 +172,7 @@ def run_e2e(device: torch.device, quick: bool, timer: Timer, max_grad_norm: floa
          with_gafused),
     ]  # fmt: skip
     rows = []
+    bar = open_bar(progress, "end to end (training steps)", total=len(recipes))
     for label, accumulation, make_step in recipes:
         model, optimizer = build()
         step = make_step(model, optimizer)
@@ -189,5 +201,7 @@ def run_e2e(device: torch.device, quick: bool, timer: Timer, max_grad_norm: floa
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        bar.update()
+    bar.close()
     parameters = sum(p.numel() for p in TinyGPT(config).parameters())
     return {"config": {**config.__dict__, "parameters": parameters, "autocast_bf16": use_autocast}, "rows": rows}

@@ -39,11 +39,11 @@ run_phase() {
       return "${PIPESTATUS[0]}"
       ;;
     kernels)
-      "$python" bench/run.py --kernels-only --out "$out" 2>&1 | tee "$out/gpu-kernels.log" | tail -45
+      "$python" bench/run.py --full --kernels-only --out "$out" 2>&1 | tee "$out/gpu-kernels.log" | tail -45
       return "${PIPESTATUS[0]}"
       ;;
     bench)
-      "$python" bench/run.py --out "$out" 2>&1 | tee "$out/gpu-bench.log" | tail -80
+      "$python" bench/run.py --full --out "$out" 2>&1 | tee "$out/gpu-bench.log" | tail -80
       return "${PIPESTATUS[0]}"
       ;;
     *)

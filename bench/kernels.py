@@ -1,6 +1,6 @@
 """Kernel sweep: each gafused op on one buffer of growing size, against the copy bandwidth of the same size.
 
-This is the measurement behind the goal of DESIGN.md section 3 (each fused kernel at >= 90% of the
+This is the measurement behind the goal of docs/design.md section 3 (each fused kernel at >= 90% of the
 device-to-device copy bandwidth on buffers of 256 MB and up): the ops are called directly through
 ``gafused.ops``, without the wrapper's per-parameter host work, on an fp32 buffer of 8 equal segments.
 
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 import traffic
+from progress import ProgressFactory, open_bar
 from timing import Timer, copy_bandwidth_gbps
 
 import gafused
 from gafused import ops
 
-__all__ = ["KERNEL_OPS", "sweep_sizes", "run_kernel_sweep", "format_kernel_table", "write_kernel_plot"]
+__all__ = ["KERNEL_OPS", "sweep_sizes", "run_kernel_sweep", "format_kernel_table"]
 
 KERNEL_OPS = traffic.OP_NAMES
 _SEGMENTS = 8
@@ -32,11 +33,20 @@ _MB = 2**20
 _GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def sweep_sizes(device_type: str, quick: bool) -> list[int]:
-    """Accumulator sizes in bytes: 256 MB to 4 GB on a GPU; small ones on CPU and in quick runs."""
-    if device_type == "cuda":
-        return [256 * _MB, 1024 * _MB] if quick else [m * _MB for m in (256, 512, 1024, 2048, 4096)]
-    return [4 * _MB] if quick else [16 * _MB, 64 * _MB, 256 * _MB]
+_SIZES_MB = {
+    "cuda": {"quick": (256, 1024), "default": (256, 1024, 4096), "full": (256, 512, 1024, 2048, 4096)},
+    "cpu": {"quick": (4,), "default": (4, 16, 64), "full": (4, 16, 64, 256)},
+}
+
+
+def sweep_sizes(device_type: str, mode: str) -> list[int]:
+    """Accumulator sizes in bytes for a run ``mode`` ("quick", "default", "full"): 256 MB to 4 GB on a GPU."""
+    return [m * _MB for m in _SIZES_MB["cuda" if device_type == "cuda" else "cpu"][mode]]
+
+
+def _ops_for(dtype_name: str) -> list[str]:
+    # scale_cast and sum_of_squares read only the buffer: one row per size (with the bf16 grads) is enough.
+    return [op for op in KERNEL_OPS if dtype_name == "bf16" or op in ("fold", "fold_finish")]
 
 
 def _fits(device: torch.device, acc_bytes: int) -> bool:
@@ -59,49 +69,52 @@ def _work(op: str, buffer: gafused.FlatGradBuffer, grads: list[torch.Tensor], ou
     return lambda: ops.sum_of_squares(buffer, backend=backend)
 
 
-def run_kernel_sweep(device: torch.device, quick: bool, timer: Timer, progress: bool = True) -> list[dict]:
+def run_kernel_sweep(
+    device: torch.device, mode: str, timer: Timer, progress: ProgressFactory | None = None
+) -> list[dict]:
     """Time every op of every gafused backend that runs on ``device`` at every sweep size.
 
     Args:
         device: where to run; the Triton interpreter is not a benchmark, so CPU runs the reference backend.
-        quick: the small sizes of a smoke run.
+        mode: "quick", "default" or "full": which sizes (``sweep_sizes``).
         timer: the run's timer.
-        progress: print a line per size.
+        progress: the run's progress factory (see progress.py), or None.
     """
     backends = [b for b in gafused.available_backends(device) if not (b == "triton" and device.type != "cuda")]
+    sizes = sweep_sizes(device.type, mode)
+    per_size = len(backends) * sum(len(_ops_for(name)) for name in _GRAD_DTYPES)
     rows: list[dict] = []
-    for acc_bytes in sweep_sizes(device.type, quick):
-        if not _fits(device, acc_bytes):
-            rows.append({"acc_mb": acc_bytes // _MB, "status": "skipped: not enough free device memory"})
-            continue
-        numel = acc_bytes // 4
-        segment = numel // _SEGMENTS
-        # Stand-ins for parameters: the buffer needs their shape, dtype and device, not their memory.
-        params = [torch.empty((), device=device).expand(segment) for _ in range(_SEGMENTS)]
-        copy_gbps, _ = copy_bandwidth_gbps(timer, acc_bytes)
-        for backend in backends:
-            buffer = gafused.FlatGradBuffer(params)
-            buffer.data.normal_()
-            out = torch.empty(buffer.numel, dtype=torch.bfloat16, device=device)
-            for dtype_name, dtype in _GRAD_DTYPES.items():
-                grads = [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
-                for op in KERNEL_OPS:
-                    if op in ("scale_cast", "sum_of_squares") and dtype_name != "bf16":
-                        continue  # these read only the buffer: one row per size is enough
-                    timing = timer.measure(_work(op, buffer, grads, out, backend))
-                    moved = traffic.op_bytes_per_element(op, dtype) * segment * _SEGMENTS
-                    gbps = moved / (timing.median_ms * 1e-3) / 1e9
-                    rows.append({
-                        "status": "ok", "acc_mb": acc_bytes // _MB, "backend": backend, "op": op,
-                        "grad_dtype": dtype_name if op in ("fold", "fold_finish") else "-",
-                        "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
-                        "reps": timing.reps, "gbps": gbps, "copy_gbps": copy_gbps,
-                        "fraction_of_copy_bw": gbps / copy_gbps,
-                    })  # fmt: skip
-                del grads
-            del buffer, out
-        if progress:
-            print(f"[kernels] {acc_bytes // _MB} MB done (copy {copy_gbps:.1f} GB/s)", flush=True)
+    with open_bar(progress, "kernel sweep (ops vs copy_)", total=len(sizes) * per_size) as bar:
+        for acc_bytes in sizes:
+            if not _fits(device, acc_bytes):
+                rows.append({"acc_mb": acc_bytes // _MB, "status": "skipped: not enough free device memory"})
+                bar.update(per_size)
+                continue
+            numel = acc_bytes // 4
+            segment = numel // _SEGMENTS
+            # Stand-ins for parameters: the buffer needs their shape, dtype and device, not their memory.
+            params = [torch.empty((), device=device).expand(segment) for _ in range(_SEGMENTS)]
+            copy_gbps, _ = copy_bandwidth_gbps(timer, acc_bytes)
+            for backend in backends:
+                buffer = gafused.FlatGradBuffer(params)
+                buffer.data.normal_()
+                out = torch.empty(buffer.numel, dtype=torch.bfloat16, device=device)
+                for dtype_name, dtype in _GRAD_DTYPES.items():
+                    grads = [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
+                    for op in _ops_for(dtype_name):
+                        timing = timer.measure(_work(op, buffer, grads, out, backend))
+                        moved = traffic.op_bytes_per_element(op, dtype) * segment * _SEGMENTS
+                        gbps = moved / (timing.median_ms * 1e-3) / 1e9
+                        rows.append({
+                            "status": "ok", "acc_mb": acc_bytes // _MB, "backend": backend, "op": op,
+                            "grad_dtype": dtype_name if op in ("fold", "fold_finish") else "-",
+                            "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
+                            "reps": timing.reps, "gbps": gbps, "copy_gbps": copy_gbps,
+                            "fraction_of_copy_bw": gbps / copy_gbps,
+                        })  # fmt: skip
+                        bar.update()
+                    del grads
+                del buffer, out
     return rows
 
 
@@ -121,33 +134,3 @@ def format_kernel_table(rows: list[dict]) -> str:
             f"{quantiles:>19} {row['gbps']:8.1f} {row['fraction_of_copy_bw']:8.1%}"
         )
     return "\n".join(lines)
-
-
-def write_kernel_plot(rows: list[dict], path: str, device_label: str) -> str | None:
-    """Fraction of copy bandwidth against buffer size, one line per (backend, op, grad dtype)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    if not ok:
-        return None
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    for key in dict.fromkeys((r["backend"], r["op"], r["grad_dtype"]) for r in ok):
-        points = sorted(
-            (r["acc_mb"], r["fraction_of_copy_bw"]) for r in ok if (r["backend"], r["op"], r["grad_dtype"]) == key
-        )
-        label = f"{key[0]} {key[1]}" + (f" ({key[2]} grads)" if key[2] != "-" else "")
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    axis.set_xscale("log", base=2)
-    axis.axhline(0.9, color="black", linewidth=0.8, linestyle="--", label="goal: 90% of copy")
-    axis.set_xlabel("fp32 accumulation buffer (MB)")
-    axis.set_ylabel("fraction of copy bandwidth")
-    axis.set_title(f"gafused ops vs copy_ of the same size - {device_label}", fontsize=10)
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path

@@ -10,7 +10,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["ParamSet", "gpt2", "llama", "many_small", "single", "default_sets"]
+__all__ = ["MODES", "ParamSet", "gpt2", "llama", "many_small", "single", "default_sets"]
+
+MODES = ("quick", "default", "full")
 
 
 @dataclass(frozen=True)
@@ -90,18 +92,33 @@ def single(numel: int, name: str = "single-big") -> ParamSet:
     return ParamSet(name, ((numel,),), f"one tensor of {numel} elements")
 
 
-def default_sets(device_type: str, quick: bool) -> list[ParamSet]:
-    """The sets a run uses on ``device_type`` ("cuda" or "cpu"); ``quick`` shrinks them for a smoke run."""
-    if device_type == "cuda" and not quick:
-        return [gpt2(), llama(), many_small(4096, 65536), single(1 << 28)]
+def default_sets(device_type: str, mode: str) -> list[ParamSet]:
+    """The sets a run uses on ``device_type`` ("cuda" or "cpu").
+
+    Args:
+        device_type: "cuda" or "cpu".
+        mode: "quick" (CI smoke run), "default" (a few minutes at most) or "full" (every set).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if device_type == "cuda":
+        if mode == "full":
+            return [gpt2(), llama(), many_small(4096, 65536), single(1 << 28)]
+        if mode == "default":
+            return [gpt2(), many_small(4096, 65536), single(1 << 28)]
         return [gpt2(), many_small(1024, 16384), single(1 << 24)]
     # CPU: same tensor counts as the GPU sets where it matters, hidden sizes scaled down.
-    if quick:
+    if mode == "quick":
         return [
             gpt2(hidden=64, vocab=4096, positions=256, name="gpt2-124m-cpu-h64"),
             many_small(512, 1024),
             single(1 << 20),
+        ]
+    if mode == "default":
+        return [
+            gpt2(hidden=128, vocab=8192, positions=512, name="gpt2-124m-cpu-h128"),
+            many_small(2048, 4096),
+            single(1 << 22),
         ]
     return [
         gpt2(hidden=256, vocab=8192, positions=512, name="gpt2-124m-cpu-h256"),

@@ -21,7 +21,7 @@ import torch
 
 import gafused
 
-__all__ = ["Provider", "PROVIDERS", "provider_names", "make_provider"]
+__all__ = ["NoopOptimizer", "Provider", "PROVIDERS", "provider_names", "make_provider"]
 
 _EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_
 
@@ -207,7 +207,7 @@ class Compiled(Foreach):
         self._finish_fn = torch.compile(_foreach_fold_and_finish, dynamic=False)
 
 
-class _NoopOptimizer(torch.optim.Optimizer):
+class NoopOptimizer(torch.optim.Optimizer):
     """An optimizer whose step does nothing, so a benchmark times the accumulation alone."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
@@ -224,7 +224,7 @@ class Gafused(Provider):
         super().__init__(*args, **kwargs)
         self.name = f"gafused-{backend}"
         self.accumulator = gafused.GradAccumulator(
-            _NoopOptimizer(self.params),
+            NoopOptimizer(self.params),
             accumulation_steps=self.accumulation_steps,
             max_grad_norm=self.max_grad_norm,
             backend=backend,

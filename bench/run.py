@@ -1,13 +1,18 @@
 """Benchmarks of gafused against the ways gradients are accumulated today.
 
-    python bench/run.py            # full run: GPU sizes on a GPU, scaled-down sets on CPU
-    python bench/run.py --quick    # smoke run (CI): small sets, short budgets
+    python bench/run.py            # the default run: every part, small sizes, about 1-2 minutes on 2 CPU cores
+    python bench/run.py --full     # every set, both gradient dtypes, longer timings (GPU sizes on a GPU)
+    python bench/run.py --quick    # smoke run (CI): tiny sets, short budgets
 
-Prints a table, and writes JSON, CSV and PNG plots named after the device and the date under ``--out``
-(default ``bench/results``). What each column means is in bench/README.md.
+Shows a progress bar per part on stderr, then one summary screen on stdout: memory, correctness, launches and
+host time per micro-step, kernels against copy bandwidth, end to end, and where the files went. Files (JSON,
+CSV, the full tables, PNG plots) go to ``--out`` (default: ~/.cache/gafused/bench, outside the checkout). What
+each column means is in bench/README.md.
 
 The pieces: ``param_sets`` (shapes), ``providers`` (what is compared), ``traffic`` (minimum bytes),
-``timing`` (how a number is measured), ``e2e`` (a training step). This file only wires them together.
+``timing`` (how a number is measured), ``e2e`` (a training step), ``kernels`` (ops vs buffer size),
+``correctness`` (recipes vs float64), ``memory`` (peak bytes per parameter), ``triton_launches`` (kernel
+counts without a GPU), ``progress`` (bars), ``plots`` and ``summary``. This file only wires them together.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import datetime
 import functools
 import gc
 import json
+import os
 import platform
 import re
 import sys
@@ -28,17 +34,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import e2e  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import correctness  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import e2e  # noqa: E402
 import kernels  # noqa: E402
 import param_sets  # noqa: E402
+import plots  # noqa: E402
+import progress as progress_bars  # noqa: E402
 import providers  # noqa: E402
+import summary  # noqa: E402
 import timing  # noqa: E402
 import traffic  # noqa: E402
+import triton_launches  # noqa: E402
 
 import gafused  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MEASURED_MOMENTS = ("middle", "last")
+# Timer settings per mode: (seconds of timed calls per measurement, min reps, max reps, warmup calls).
+_TIMER = {"quick": (0.1, 3, 15, 1), "default": (0.25, 5, 40, 1), "full": (1.0, 5, 100, 2)}
+_DEFAULT_DTYPES = {"quick": "bf16,fp32", "default": "bf16", "full": "bf16,fp32"}
+
+
+def default_out() -> Path:
+    """Where results go without ``--out``: ``$XDG_CACHE_HOME/gafused/bench`` (``~/.cache/gafused/bench``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "gafused" / "bench"
 
 
 def _device_name(device: torch.device) -> str:
@@ -59,18 +79,20 @@ def _sanitize(text: str) -> str:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sets and short budgets (CI smoke run)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output dir")
-    parser.add_argument("--sets", help="comma-separated set names (default: every set for the device)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny sets and short budgets (CI smoke run)")
+    size.add_argument("--full", action="store_true", help="every set, both dtypes, 1 s budgets (about 10 min on CPU)")
+    parser.add_argument("--out", type=Path, help=f"output directory (default: {default_out()})")
+    parser.add_argument("--sets", help="comma-separated set names (default: every set of the mode and device)")
     parser.add_argument("--providers", help=f"comma-separated, from {', '.join(providers.PROVIDERS)}")
-    parser.add_argument("--dtypes", default="bf16,fp32", help="gradient dtypes, from bf16, fp32")
+    parser.add_argument("--dtypes", help="gradient dtypes, from bf16, fp32 (default: bf16; both in --quick/--full)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--accumulation-steps", type=int, default=4, help="N (>= 3)")
     parser.add_argument(
         "--compile-max-tensors",
         type=int,
-        help="skip `compiled` on sets with more tensors (compile time grows with the count); "
-        "default 512; in --quick only the set with the fewest tensors, first dtype, is compiled",
+        help="in --full, skip `compiled` on sets with more tensors (compile time grows with the count; default "
+        "512); the default and --quick runs compile only the set with the fewest tensors, first dtype",
     )
     parser.add_argument(
         "--threads",
@@ -85,8 +107,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kernels-only", action="store_true", help="run only the kernel sweep: 256 MB to 4 GB buffers on a GPU"
     )
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    parser.add_argument("--verbose", action="store_true", help="print the full tables before the summary")
     parser.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the PNGs of a results file and exit")
     return parser.parse_args(argv)
+
+
+def _mode(args: argparse.Namespace) -> str:
+    return "quick" if args.quick else "full" if args.full else "default"
 
 
 def _memory_needed(param_set: param_sets.ParamSet, dtype: torch.dtype) -> int:
@@ -97,18 +125,28 @@ def _memory_needed(param_set: param_sets.ParamSet, dtype: torch.dtype) -> int:
 
 def _compile_skip_reason(args, sets, dtype_index: int, param_set) -> str | None:
     fewest = min(sets, key=lambda s: s.count)
-    if args.quick and (param_set is not fewest or dtype_index != 0):
-        return f"skipped in --quick: only {fewest.name} with the first dtype is compiled (compile time)"
+    if not args.full and (param_set is not fewest or dtype_index != 0):
+        return (
+            f"skipped outside --full: only {fewest.name} with the first dtype is compiled (compile time; "
+            f"--full compiles every set up to --compile-max-tensors)"
+        )
     limit = 512 if args.compile_max_tensors is None else args.compile_max_tensors
     if param_set.count > limit:
         return f"skipped: {param_set.count} tensors > --compile-max-tensors {limit} (compile time)"
     return None
 
 
-def _measure_provider(name, params, pool, args, device, timer) -> dict:
+def _measure_provider(name, params, pool, args, device, timer, progress, set_name) -> dict:
     """Middle and last micro-batch of one provider: timings and launch counts, or the reason it did not run."""
     result = {}
     provider = providers.make_provider(name, params, pool, args.accumulation_steps, max_grad_norm=1.0)
+    if name == "compiled":
+        # torch.compile builds one graph per function on its first call: the fold, then the finish.
+        with progress_bars.open_bar(progress, f"compile warm-up ({set_name})", total=2) as bar:
+            for moment in MEASURED_MOMENTS:
+                provider.prepare(moment)
+                provider.step()
+                bar.update()
     result["backend"] = getattr(getattr(provider, "accumulator", None), "backend", None)
     for moment in MEASURED_MOMENTS:
         prepare = functools.partial(provider.prepare, moment)
@@ -119,15 +157,18 @@ def _measure_provider(name, params, pool, args, device, timer) -> dict:
     return result
 
 
-def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float) -> list[dict]:
-    """Every (set, dtype, provider, moment) row of the accumulation micro-benchmark."""
-    sets = param_sets.default_sets(device.type, args.quick)
+def _selected_sets(args, device: torch.device, mode: str) -> list[param_sets.ParamSet]:
+    sets = param_sets.default_sets(device.type, mode)
     if args.sets:
         wanted = args.sets.split(",")
         sets = [s for s in sets if s.name in wanted]
         if not sets:
             raise SystemExit(f"--sets: none of {wanted} exists on {device.type}; choose from "
-                             f"{[s.name for s in param_sets.default_sets(device.type, args.quick)]}")  # fmt: skip
+                             f"{[s.name for s in param_sets.default_sets(device.type, mode)]}")  # fmt: skip
+    return sets
+
+
+def _selected_providers(args, device: torch.device) -> list[str]:
     names = providers.provider_names(device)
     if args.providers:
         unknown = set(args.providers.split(",")) - set(providers.PROVIDERS)
@@ -138,13 +179,20 @@ def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float)
             reason = gafused.ops.backend_unavailable_reason(name.removeprefix("gafused-"), device)
             print(f"--providers: {name} cannot run on {device.type}: {reason or 'not timed there'}", file=sys.stderr)
         names = [n for n in names if n in args.providers.split(",")]
-    dtypes = args.dtypes.split(",")
+    return names
+
+
+def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float, progress) -> list[dict]:
+    """Every (set, dtype, provider, moment) row of the accumulation micro-benchmark."""
+    mode = _mode(args)
+    sets = _selected_sets(args, device, mode)
+    names = _selected_providers(args, device)
+    dtypes = (args.dtypes or _DEFAULT_DTYPES[mode]).split(",")
     if set(dtypes) - set(DTYPES):
         raise SystemExit(f"--dtypes must be a subset of {list(DTYPES)}, got {args.dtypes}")
 
     rows: list[dict] = []
-    total = len(sets) * len(dtypes) * len(names)
-    done = 0
+    bar = progress_bars.open_bar(progress, "accumulation micro-benchmark", total=len(sets) * len(dtypes) * len(names))
     for param_set in sets:
         for dtype_index, dtype_name in enumerate(dtypes):
             dtype = DTYPES[dtype_name]
@@ -167,37 +215,31 @@ def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float)
                 # One gradient set suffices: caches are flushed before every sample (see timing.py).
                 pool = [[torch.randn(s, dtype=dtype, device=device) for s in param_set.shapes]]
             for name in names:
-                done += 1
                 status = skip_all
                 if status is None and name == "compiled":
                     status = _compile_skip_reason(args, sets, dtype_index, param_set)
-                started = time.perf_counter()
                 measured = None
                 if status is None:
                     try:
-                        measured = _measure_provider(name, params, pool, args, device, timer)
+                        measured = _measure_provider(
+                            name, params, pool, args, device, timer, progress, f"{param_set.name} {dtype_name}"
+                        )
                         status = "ok"
                     except Exception as error:  # noqa: BLE001 - a provider that fails is reported, not fatal
                         status = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-                summary = status
                 for moment in MEASURED_MOMENTS:
                     row = {**base, "provider": name, "moment": moment, "status": status}
                     if measured is not None:
                         row.update(_row_numbers(measured[moment], moment, param_set, dtype, copy_gbps))
                         row["backend"] = measured["backend"]
-                        summary = ", ".join(f"{m} {measured[m][0].median_ms:.3f} ms" for m in MEASURED_MOMENTS)
                     rows.append(row)
-                print(
-                    f"[{done}/{total}] {param_set.name} {dtype_name} {name}: {summary} "
-                    f"({time.perf_counter() - started:.1f}s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                bar.update()
             del params, pool
             gc.collect()
+    bar.close()
     _add_speedups(rows)
     return rows
 
@@ -210,6 +252,7 @@ def _row_numbers(measured, moment, param_set, dtype, copy_gbps) -> dict:
         "median_ms": timed.median_ms,
         "q20_ms": timed.q20_ms,
         "q80_ms": timed.q80_ms,
+        "host_ms": timed.host_ms,
         "reps": timed.reps,
         "min_bytes": nbytes,
         "gbps": gbps,
@@ -236,10 +279,10 @@ def _fmt(value, spec: str) -> str:
 
 def format_micro_table(rows: list[dict], unit: str) -> str:
     header = (
-        f"{'set':<20} {'dtype':<5} {'moment':<6} {'provider':<18} {'ms':>9} {'[q20, q80]':>19} {'GB/s':>8} "
-        f"{'of copy':>7} {'launch':>6} {'vs naive':>8} {'vs foreach':>10}"
+        f"{'set':<20} {'dtype':<5} {'moment':<6} {'provider':<18} {'ms':>9} {'[q20, q80]':>19} {'host ms':>8} "
+        f"{'GB/s':>8} {'of copy':>7} {'launch':>6} {'vs naive':>8} {'vs foreach':>10}"
     )
-    lines = [f"launch = {unit} per micro-batch", header, "-" * len(header)]
+    lines = [f"accumulation micro-benchmark; launch = {unit} per micro-batch", header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r["set"], r["grad_dtype"], r["moment"] == "last")):
         if r["status"] != "ok":
             lines.append(f"{r['set']:<20} {r['grad_dtype']:<5} {r['moment']:<6} {r['provider']:<18} {r['status']}")
@@ -247,8 +290,8 @@ def format_micro_table(rows: list[dict], unit: str) -> str:
         quantiles = f"[{r['q20_ms']:.3f}, {r['q80_ms']:.3f}]"
         lines.append(
             f"{r['set']:<20} {r['grad_dtype']:<5} {r['moment']:<6} {r['provider']:<18} {r['median_ms']:>9.3f} "
-            f"{quantiles:>19} {r['gbps']:>8.2f} {r['fraction_of_copy_bw']:>7.1%} {r['launches']:>6} "
-            f"{_fmt(r['speedup_vs_naive'], '.2f'):>8} {_fmt(r['speedup_vs_foreach'], '.2f'):>10}"
+            f"{quantiles:>19} {r['host_ms']:>8.3f} {r['gbps']:>8.2f} {r['fraction_of_copy_bw']:>7.1%} "
+            f"{r['launches']:>6} {_fmt(r['speedup_vs_naive'], '.2f'):>8} {_fmt(r['speedup_vs_foreach'], '.2f'):>10}"
         )
     return "\n".join(lines)
 
@@ -269,58 +312,20 @@ def format_e2e_table(result: dict, device_label: str) -> str:
     return "\n".join(lines)
 
 
-def write_plots(rows: list[dict], path_stem: Path, device_label: str) -> list[Path]:
-    """ms and fraction of copy bandwidth per set (sets ordered by size), grouped bars per provider.
-
-    One panel per (dtype, moment). Bars, not lines: the sets differ in structure, not only in size, so a
-    line through them would suggest a sweep that was not run.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    if not ok:
-        return []
-    sets = sorted({(r["elements"], r["set"], r["tensors"]) for r in ok})
-    names = sorted({r["provider"] for r in ok}, key=providers.PROVIDERS.index)
-    dtypes = list(dict.fromkeys(r["grad_dtype"] for r in ok))
-    width = 0.8 / len(names)
-    written = []
-    for metric, label, log_y in (("median_ms", "ms per micro-batch", True),
-                                 ("fraction_of_copy_bw", "fraction of copy bandwidth", False)):  # fmt: skip
-        figure, axes = plt.subplots(
-            len(dtypes), len(MEASURED_MOMENTS), figsize=(6 * len(MEASURED_MOMENTS), 3.6 * len(dtypes)), squeeze=False
-        )
-        for row_axes, dtype_name in zip(axes, dtypes, strict=True):
-            for axis, moment in zip(row_axes, MEASURED_MOMENTS, strict=True):
-                for offset, name in enumerate(names):
-                    values = {
-                        r["set"]: r[metric]
-                        for r in ok
-                        if r["provider"] == name and r["grad_dtype"] == dtype_name and r["moment"] == moment
-                    }
-                    shift = (offset - (len(names) - 1) / 2) * width
-                    xs = [i + shift for i, (_, s, _) in enumerate(sets) if s in values]
-                    axis.bar(xs, [values[s] for _, s, _ in sets if s in values], width, label=name)
-                axis.set_xticks(range(len(sets)))
-                axis.set_xticklabels([f"{s}\n{n:.2g} el, {t} t" for n, s, t in sets], fontsize=7)
-                if log_y:
-                    axis.set_yscale("log")
-                else:
-                    axis.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-                axis.set_title(f"{dtype_name} grads -> fp32 accumulator, {moment} micro-batch", fontsize=9)
-                axis.set_ylabel(label, fontsize=8)
-                axis.grid(True, axis="y", which="both", alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        figure.suptitle(f"{label} - {device_label} (el = elements, t = tensors)", fontsize=10)
-        figure.tight_layout()
-        path = path_stem.with_name(f"{path_stem.name}-{'ms' if metric == 'median_ms' else 'copy-fraction'}.png")
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
-    return written
+def run_memory(quick: bool, progress) -> tuple[list[dict] | None, str | None]:
+    """Rows of ``bench/memory.py`` (``memory.run(quick, progress)``), or None and why there are none."""
+    try:
+        import memory
+    except ModuleNotFoundError as error:
+        if error.name == "memory":
+            return None, "not built yet"
+        return None, f"failed to import: {error}"
+    except ImportError as error:
+        return None, f"failed to import: {error}"
+    try:
+        return memory.run(quick, progress), None
+    except Exception as error:  # noqa: BLE001 - a failing part is reported on the summary, the others still run
+        return None, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
 def _write_csv(rows: list[dict], path: Path, device_label: str, date_utc: str) -> None:
@@ -332,13 +337,44 @@ def _write_csv(rows: list[dict], path: Path, device_label: str, date_utc: str) -
             writer.writerow({"device": device_label, "date_utc": date_utc, **row})
 
 
+def _tables(results: dict) -> str:
+    """Every table of the run in full: the ``-tables.txt`` file (and stdout with ``--verbose``)."""
+    meta = results["meta"]
+    parts = [
+        f"gafused {meta['gafused']} benchmarks on {meta['device']}, torch {meta['torch']}, {meta['date_utc']}, "
+        f"{meta['mode']} run\ncopy bandwidth: {meta['copy_bandwidth_gbps']:.1f} GB/s "
+        f"({meta['copy_bytes'] / 2 / 2**20:.0f} MiB copy_, read + write)",
+    ]
+    if results.get("memory"):
+        parts.append("memory (peak bytes per parameter)\n" + "\n".join(
+            f"{r['recipe']:<40} {r['param_dtype']:<9} {r['peak_bytes_per_param']:>8.2f}  {r['note']}"
+            for r in results["memory"]
+        ))  # fmt: skip
+    else:
+        parts.append(f"memory: {results.get('memory_status')}")
+    if results.get("correctness"):
+        parts.append(
+            "correctness (relative error vs float64 big batch)\n"
+            + "\n".join(correctness.format_correctness_table(results["correctness"]))
+        )
+    if results.get("micro"):
+        parts.append(format_micro_table(results["micro"], meta["launch_unit"]))
+    if results.get("e2e"):
+        parts.append(format_e2e_table(results["e2e"], meta["device"]))
+    if results.get("kernels"):
+        parts.append(kernels.format_kernel_table(results["kernels"]))
+    return "\n\n".join(parts) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.plot_only:
         saved = json.loads(args.plot_only.read_text())
         stem = args.plot_only.with_suffix("")
-        print("wrote " + ", ".join(map(str, write_plots(saved["micro"], stem, saved["meta"]["device"]))))
+        print("wrote " + ", ".join(map(str, plots.write_all(saved, stem, list(providers.PROVIDERS)))))
         return 0
+    started = time.perf_counter()
+    mode = _mode(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -346,39 +382,40 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         device_label += f" ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     now = datetime.datetime.now(datetime.timezone.utc)
-    torch.manual_seed(0)
-    if args.quick:
-        timer = timing.Timer(device, budget_s=0.1, min_reps=3, max_reps=15, warmup=1)
-    else:
-        timer = timing.Timer(device, budget_s=1.0, min_reps=5, max_reps=100, warmup=2)
-    copy_nbytes = (256 if device.type == "cuda" else 64) * 2**20 // (4 if args.quick else 1)
-    copy_gbps, copy_timing = timing.copy_bandwidth_gbps(timer, copy_nbytes)
-    unit = timing.launch_unit(device)
+    out = args.out if args.out is not None else default_out()
+    progress = progress_bars.factory(not args.no_progress)
     print(
-        f"gafused {gafused.__version__} benchmarks on {device_label} ({device.type}), torch {torch.__version__}, "
-        f"{now:%Y-%m-%d %H:%M} UTC{', --quick' if args.quick else ''}\n"
-        f"copy bandwidth: {copy_gbps:.1f} GB/s ({copy_nbytes / 2**20:.0f} MiB copy_, read + write)",
+        f"gafused {gafused.__version__}, {mode} run on {device_label}, torch {torch.__version__}; results to {out}",
+        file=sys.stderr,
         flush=True,
     )
+    torch.manual_seed(0)
+    budget_s, min_reps, max_reps, warmup = _TIMER[mode]
+    timer = timing.Timer(device, budget_s=budget_s, min_reps=min_reps, max_reps=max_reps, warmup=warmup)
+    copy_nbytes = (256 if device.type == "cuda" else 64) * 2**20 // (4 if args.quick else 1)
+    copy_gbps, _ = timing.copy_bandwidth_gbps(timer, copy_nbytes)
 
-    rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps)
-    if rows:
-        print(format_micro_table(rows, unit), flush=True)
+    results: dict = {"memory": None, "memory_status": None, "correctness": None, "triton_launches": None}
+    if not args.kernels_only:
+        # The Triton count runs in a child process beside the untimed parts (memory, correctness).
+        count = triton_launches.Count().start() if device.type == "cpu" else None
+        results["memory"], results["memory_status"] = run_memory(args.quick, progress)
+        results["correctness"] = correctness.run_correctness(progress)
+        results["triton_launches"] = count.result() if count is not None else None
+    rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps, progress)
     e2e_result = None
     if not (args.no_e2e or args.kernels_only):
-        e2e_result = e2e.run_e2e(device, args.quick, timer)
-        print(format_e2e_table(e2e_result, device_label), flush=True)
-    kernel_rows = [] if args.no_kernels else kernels.run_kernel_sweep(device, args.quick, timer)
-    if kernel_rows:
-        print(kernels.format_kernel_table(kernel_rows), flush=True)
+        e2e_result = e2e.run_e2e(device, mode, timer, progress=progress)
+    kernel_rows = [] if args.no_kernels else kernels.run_kernel_sweep(device, mode, timer, progress)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = ("-quick" if args.quick else "") + ("-kernels-only" if args.kernels_only else "")
-    stem = args.out / f"{_sanitize(device_label)}-{now:%Y%m%d}{suffix}"
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = ("" if mode == "default" else f"-{mode}") + ("-kernels-only" if args.kernels_only else "")
+    stem = out / f"{_sanitize(device_label)}-{now:%Y%m%d-%H%M%S}{suffix}"
     meta = {
         "device": device_label,
         "device_type": device.type,
         "date_utc": now.isoformat(timespec="seconds"),
+        "mode": mode,
         "torch": torch.__version__,
         "gafused": gafused.__version__,
         "python": platform.python_version(),
@@ -388,32 +425,38 @@ def main(argv: list[str] | None = None) -> int:
         "max_grad_norm": 1.0,
         "copy_bandwidth_gbps": copy_gbps,
         "copy_bytes": traffic.copy_bytes(copy_nbytes),
-        "launch_unit": unit,
+        "launch_unit": timing.launch_unit(device),
         "notes": (
-            "CPU: copy_ also reads each destination line before writing it (write-allocate), in-place "
-            "accumulation does not, so fractions above 1 are expected and do not compare with GPU figures"
+            "CPU: gafused runs its reference backend; copy_ also reads each destination line before writing it "
+            "(write-allocate), in-place accumulation does not, so fractions above 1 are expected and do not "
+            "compare with GPU figures"
             if device.type == "cpu"
             else "caches flushed before every sample; times include host launch overhead (device idle at start)"
         ),
         "timer": {"budget_s": timer.budget_s, "min_reps": timer.min_reps, "max_reps": timer.max_reps},
-        "sets": {s.name: s.description for s in param_sets.default_sets(device.type, args.quick)},
+        "sets": {s.name: s.description for s in param_sets.default_sets(device.type, mode)},
     }
-    results = {"meta": meta, "micro": rows, "e2e": e2e_result, "kernels": kernel_rows}
+    results = {"meta": meta, **results, "micro": rows, "e2e": e2e_result, "kernels": kernel_rows}
+    summary_path = stem.with_name(f"{stem.name}-summary.txt")
+    written = [summary_path, stem.with_name(f"{stem.name}-tables.txt"), stem.with_suffix(".json")]
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    written = [stem.with_suffix(".json")]
-    for table, path in ((rows, stem.with_suffix(".csv")), (kernel_rows, stem.with_name(f"{stem.name}-kernels.csv"))):
+    tables = _tables(results)
+    written[1].write_text(tables)
+    for table, name in ((rows, "micro"), (kernel_rows, "kernels")):
         if table:
+            path = stem.with_name(f"{stem.name}-{name}.csv")
             _write_csv(table, path, device_label, meta["date_utc"])
             written.append(path)
     if not args.no_plots:
-        written += write_plots(rows, stem, device_label)
-        kernel_plot = stem.with_name(f"{stem.name}-kernels.png")
-        if kernels.write_kernel_plot(kernel_rows, str(kernel_plot), device_label):
-            written.append(kernel_plot)
-    print("wrote " + ", ".join(str(p) for p in written))
+        written += plots.write_all(results, stem, list(providers.PROVIDERS))
+    screen = summary.render(results, written, time.perf_counter() - started)
+    summary_path.write_text(screen + "\n")
+    if args.verbose:
+        print(tables)
+    print(screen, flush=True)
     failed = [r for r in rows if r["status"].startswith("failed")]
     if failed:
-        print(f"{len(failed)} row(s) failed; see the status column", file=sys.stderr)
+        print(f"{len(failed)} row(s) failed; see the status column of {written[1]}", file=sys.stderr)
     return 0
 
 

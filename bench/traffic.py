@@ -1,4 +1,4 @@
-"""Byte math: the minimum memory traffic of each moment of a window (DESIGN.md section 3).
+"""Byte math: the minimum memory traffic of each moment of a window (docs/design.md section 3).
 
 Every GB/s figure in the benchmarks is these bytes divided by the measured time, so a provider that moves
 more than the minimum shows up as a lower GB/s, never as a higher one.
@@ -10,8 +10,8 @@ accumulator:
 - middle micro-batch: read g + read acc + write acc              = g + 8
 - last micro-batch as the benchmarks time it: the fused fold + scale + sum of squares pass (g + 8),
   then clip and hand the finished gradient to the optimizer: read acc + write p.grad (4 + p).
-  DESIGN.md counts the clip as 0 when it can be folded into the optimizer's grad scale; the
-  benchmarks' inner optimizer is a no-op, so the finished gradient has to be written, and is counted.
+  A clip folded into an optimizer's own grad scale would cost nothing; the benchmarks' inner optimizer is a
+  no-op, so the finished gradient has to be written, and is counted (the last row of docs/design.md's table).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The op surface of gafused and its backend dispatch.
 
-Four in-place ops over a FlatGradBuffer, one contract each (DESIGN.md section 2), implemented by every
+Four in-place ops over a FlatGradBuffer, one contract each (docs/design.md section 2), implemented by every
 backend (``reference``, ``triton``, ``cuda``):
 
 - ``fold_``: acc[seg] = (0 if first else acc[seg]) + weight * grad, math in the buffer's dtype;

@@ -1,0 +1,235 @@
+"""The closing screen of ``python bench/run.py``: what the run found, in words a newcomer can follow.
+
+``render(results, files)`` takes the run's results (what goes into its JSON) and the files it wrote, and
+returns the text: memory, correctness, launches and host time per micro-step, kernels against copy bandwidth,
+end to end, then where the files are. Every number on it comes from ``results``; the detailed tables are in the
+``-tables.txt`` file beside the JSON.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from correctness import format_correctness_table
+
+__all__ = ["render", "FILE_ROLES"]
+
+_WIDTH = 100
+
+# What each file of a run holds, by the suffix after the run's stem; README's file list says the same.
+FILE_ROLES = {
+    "-summary.txt": "this screen",
+    "-tables.txt": "every table in full (quantiles, GB/s, speedups)",
+    ".json": "every number, with device, versions and timer settings",
+    "-micro.csv": "accumulation micro-benchmark rows",
+    "-kernels.csv": "kernel sweep rows",
+    "-memory.png": "peak bytes per parameter by recipe (bar chart)",
+    "-correctness.png": "relative error of each recipe (bar chart, log scale)",
+    "-ms.png": "time per micro-batch by provider and parameter set",
+    "-kernels.png": "bandwidth of each op vs buffer size, with the copy_ line",
+}
+
+
+def _heading(title: str) -> str:
+    return f"\n{title}"
+
+
+def _wrap(text: str, indent: str = "  ") -> list[str]:
+    lines, line = [], indent
+    for word in text.split():
+        if len(line) + len(word) + 1 > _WIDTH and line.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += word + " "
+    if line.strip():
+        lines.append(line.rstrip())
+    return lines
+
+
+def _memory(results: dict) -> list[str]:
+    lines = [_heading("MEMORY  peak bytes per parameter during a training step (lower is better)")]
+    rows = results.get("memory")
+    if not rows:
+        return lines + [f"  memory: {results.get('memory_status') or 'no rows'}"]
+    lines.append(f"  {'recipe':<38} {'params':<9} {'bytes/param':>11}  note")
+    for row in rows:
+        lines.append(
+            f"  {row['recipe']:<38} {row['param_dtype']:<9} {row['peak_bytes_per_param']:>11.1f}  {row['note']}"
+        )
+    return lines
+
+
+def _correctness(results: dict) -> list[str]:
+    result = results.get("correctness")
+    lines = [_heading("CORRECTNESS  relative error of the finished gradient vs a float64 big batch (token-mean loss)")]
+    if not result:
+        return lines + ["  not run"]
+    tokens = result["scenarios"][0]["loss_tokens_per_micro_batch"]
+    lines.append(
+        f"  {len(tokens)} micro-batches with {', '.join(map(str, tokens))} loss tokens; GPT of "
+        f"{result['config']['parameters']:,} parameters in float32"
+    )
+    lines += format_correctness_table(result, indent="  ")
+    errors = {(s["scenario"], r["recipe"]): r["relative_error"] for s in result["scenarios"] for r in s["rows"]}
+    full = result["scenarios"][0]["scenario"]
+    lines += _wrap(
+        f"float32 rounding is about 1e-7, so the big batch itself is off by that much. Token weights "
+        f"(opt.step(weight=tokens)) land at that floor; loss / N is off by "
+        f"{errors[(full, 'loss / N')]:.0%}: every micro-batch weighs the same whatever its token count, and a "
+        f"partial window is still divided by N. gafused's default weight 1 fixes the partial window's count, "
+        f"not the token imbalance."
+    )
+    return lines
+
+
+def _pick(rows: list[dict], prefix: str, dtype: str) -> str | None:
+    names = sorted(
+        {(r["elements"], r["set"]) for r in rows if r["set"].startswith(prefix) and r["grad_dtype"] == dtype}
+    )
+    return names[-1][1] if names else None
+
+
+def _launches(results: dict) -> list[str]:
+    rows = [r for r in results.get("micro") or [] if r["status"] == "ok"]
+    cpu = results["meta"]["device_type"] == "cpu"
+    lines = [_heading("LAUNCHES AND HOST TIME  per micro-step (middle: fold only; last: fold, 1/sum(w), norm, clip)")]
+    if not rows:
+        return lines + ["  not run"]
+    dtype = "bf16" if any(r["grad_dtype"] == "bf16" for r in rows) else rows[0]["grad_dtype"]
+    sets = [name for name in (_pick(rows, "gpt2", dtype), _pick(rows, "many-small", dtype)) if name]
+    by_key = {(r["set"], r["provider"], r["moment"]): r for r in rows if r["grad_dtype"] == dtype}
+    providers = list(dict.fromkeys(r["provider"] for r in rows if r["grad_dtype"] == dtype and r["set"] in sets))
+    unit = "aten ops" if cpu else "kernels"
+    columns = ("ms middle", "ms last") if cpu else ("ms middle", "host ms", "ms last")
+    cell_width = 9 + 10 * len(columns)
+    lines.append(f"  {dtype + ' grads':<18}" + "".join(f"   {name[:cell_width]:<{cell_width}}" for name in sets))
+    lines.append(f"  {'provider':<18}" + "".join(f"   {unit:>9}" + "".join(f"{c:>10}" for c in columns) for _ in sets))
+    for provider in providers:
+        cells = []
+        for set_name in sets:
+            middle, last = by_key.get((set_name, provider, "middle")), by_key.get((set_name, provider, "last"))
+            if middle is None or last is None:
+                cells.append(f"   {'-':>9}" + "".join(f"{'-':>10}" for _ in columns))
+                continue
+            values = [middle["median_ms"], last["median_ms"]] if cpu else [
+                middle["median_ms"], middle["host_ms"], last["median_ms"]]  # fmt: skip
+            launches = "-" if middle.get("launches") is None else str(middle["launches"])
+            cells.append(f"   {launches:>9}" + "".join(f"{v:>10.3g}" for v in values))
+        lines.append(f"  {provider:<18}" + "".join(cells))
+    for set_name in sets:
+        example = next(r for r in rows if r["set"] == set_name)
+        lines.append(f"  {set_name}: {example['tensors']} tensors, {example['elements']:,} elements")
+    lines.append(f"  {unit}: dispatched per middle micro-step.")
+    triton = results.get("triton_launches")
+    if cpu and triton:
+        if "sets" in triton:
+            counts = triton["sets"]
+            middles = {len(c["middle"]) for c in counts.values()}
+            lasts = {len(c["last"]) for c in counts.values()}
+            tensors = " and ".join(str(c["tensors"]) for c in counts.values())
+            lines += _wrap(
+                f"gafused-triton (what a GPU runs; counted here under the Triton interpreter, not timed): "
+                f"{'/'.join(map(str, sorted(middles)))} kernel per middle micro-step and "
+                f"{'/'.join(map(str, sorted(lasts)))} per last one, for {tensors} tensors alike: launches do not grow "
+                f"with the parameter count."
+            )
+        else:
+            lines.append(f"  gafused-triton launches: {triton['skipped']}")
+    if cpu:
+        lines += _wrap(
+            "On CPU an 'aten op' is the unit of work torch dispatches: every path here does about one or two per "
+            "tensor (torch's _foreach_* ops loop over tensors on CPU, and the reference backend is a per-tensor "
+            "loop by design), so CPU times are host times and the ranking on CPU says nothing about a GPU. The "
+            "reference backend is the test oracle, not a fast path: its ratio to foreach above is its cost."
+        )
+    else:
+        lines += _wrap("host ms: how long the call kept the Python thread busy (launches), device work excluded.")
+    return lines
+
+
+def _kernels(results: dict) -> list[str]:
+    rows = [r for r in results.get("kernels") or [] if r["status"] == "ok"]
+    cpu = results["meta"]["device_type"] == "cpu"
+    where = "CPU path: the reference backend's ops" if cpu else "GPU kernels"
+    lines = [_heading(f"KERNELS VS COPY BANDWIDTH  ({where}, one fp32 buffer)")]
+    if not rows:
+        return lines + ["  not run"]
+    size = max(r["acc_mb"] for r in rows)
+    at_size = [r for r in rows if r["acc_mb"] == size]
+    lines.append(f"  {size} MB buffer; copy_ of the same size: {at_size[0]['copy_gbps']:.1f} GB/s")
+    for backend in dict.fromkeys(r["backend"] for r in at_size):
+        cells = []
+        for r in at_size:
+            if r["backend"] != backend:
+                continue
+            label = r["op"] + (f" {r['grad_dtype']}" if r["grad_dtype"] != "-" else "")
+            cells.append(f"{label} {r['gbps']:.1f} GB/s ({r['fraction_of_copy_bw']:.0%})")
+        lines += _wrap(f"{backend}: " + "; ".join(cells))
+    explanation = (
+        "GB/s counts only the bytes an op must move (fold with bf16 grads: read 2 + read 4 + write 4 = 10 bytes "
+        "per element); the percentage divides it by a copy_ of the same buffer timed in the same run, the "
+        "ceiling a memory-bound op can reach. "
+    )
+    if cpu:
+        explanation += (
+            "On CPU copy_ also reads every destination line before writing it (write-allocate) while in-place "
+            "ops do not, so more than 100% can happen; these are CPU figures of the reference backend and say "
+            "nothing about the GPU goal (each fused kernel at >= 90% of copy on buffers of 256 MB and up), which "
+            "this same command measures on a GPU machine."
+        )
+    else:
+        explanation += "The goal: each fused kernel at >= 90% of copy on buffers of 256 MB and up."
+    return lines + _wrap(explanation)
+
+
+def _e2e(results: dict) -> list[str]:
+    result = results.get("e2e")
+    if not result:
+        return []
+    c = result["config"]
+    lines = [
+        _heading(
+            f"END TO END  one optimizer step: GPT of {c['parameters']:,} parameters, seq {c['seq_len']}, batch "
+            f"{c['batch']}, AdamW, clip 1.0"
+        )
+    ]
+    for row in result["rows"]:
+        peak = "" if row["peak_memory_mb"] is None else f"   peak {row['peak_memory_mb']:.0f} MiB"
+        lines.append(f"  {row['recipe']:<40} {row['ms_per_step']:>8.1f} ms per optimizer step{peak}")
+    return lines
+
+
+def render(results: dict, files: list[Path], elapsed_s: float | None = None) -> str:
+    """The summary screen of a run.
+
+    Args:
+        results: the run's results (``meta``, ``memory``, ``correctness``, ``micro``, ``kernels``, ...).
+        files: the files the run wrote (the summary file itself included), all in one directory.
+        elapsed_s: the run's wall time, shown in the title line when given.
+    """
+    meta = results["meta"]
+    took = f" in {elapsed_s // 60:.0f}m{elapsed_s % 60:02.0f}s" if elapsed_s is not None else ""
+    lines = [
+        "=" * _WIDTH,
+        f"gafused {meta['gafused']} benchmark summary: {meta['mode']} run{took}",
+        f"{meta['device']}, torch {meta['torch']}, {meta['date_utc'].replace('T', ' ')[:16]} UTC",
+    ]
+    if meta["device_type"] == "cpu":
+        lines += _wrap(
+            "No GPU here: gafused runs its `reference` backend (plain PyTorch, one tensor at a time: the oracle "
+            "the tests hold every backend to). The fused Triton and CUDA kernels need a GPU; on a GPU machine "
+            "this same command times them.",
+            indent="",
+        )
+    lines += _memory(results) + _correctness(results) + _launches(results) + _kernels(results) + _e2e(results)
+    if files:
+        folder = files[0].parent
+        lines.append(_heading(f"FILES  in {folder}/"))
+        width = max(len(path.name) for path in files)
+        for path in files:
+            role = next((text for suffix, text in FILE_ROLES.items() if path.name.endswith(suffix)), "")
+            lines.append(f"  {path.name:<{width}}  {role}")
+    if meta["mode"] != "full":
+        lines.append("\nEvery set, both gradient dtypes, longer timings: python bench/run.py --full")
+    lines.append("=" * _WIDTH)
+    return "\n".join(line.rstrip() for line in lines)
