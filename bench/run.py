@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.kernels_only:
         # The Triton count runs in a child process beside the untimed parts (memory, correctness).
         count = triton_launches.Count().start() if device.type == "cpu" else None
-        results["memory"], results["memory_status"] = run_memory(args.quick, progress)
+        # The ~100 MB model (about a minute on CPU) only with --full; the small one keeps the default run short.
+        results["memory"], results["memory_status"] = run_memory(not args.full, progress)
         results["correctness"] = correctness.run_correctness(progress)
         results["triton_launches"] = count.result() if count is not None else None
     rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps, progress)

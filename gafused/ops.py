@@ -1,7 +1,7 @@
 """The op surface of gafused and its backend dispatch.
 
 Four in-place ops over a FlatGradBuffer, one contract each (docs/design.md section 2), implemented by every
-backend (``reference``, ``triton``, ``cuda``):
+backend (``reference``, ``foreach``, ``triton``, ``cuda``):
 
 - ``fold_``: acc[seg] = (0 if first else acc[seg]) + weight * grad, math in the buffer's dtype;
   a missing grad (None) contributes zero.
@@ -15,7 +15,14 @@ Scalars (weight, scale, coef) may be Python numbers or 0-d tensors; tensors stay
 here synchronizes with the host. Alignment padding between segments is never read or written.
 
 Each op is registered with ``torch.library.custom_op`` (namespace ``gafused``) so a compiled training step
-can call it; the backend is an argument of the op, resolved here from ``"auto"`` before dispatch.
+can call it; the backend is an argument of the op, resolved here from ``"auto"`` before dispatch. In eager mode
+the ops call the backend directly: a custom op's dispatcher round trip costs about 2 us per gradient tensor on
+the host, as much as the kernels of a large model's micro-step. The custom op is used only while torch.compile
+traces (or a dispatch mode such as FakeTensorMode is active), where it is what the compiler needs.
+
+The ops are tagged ``cudagraph_unsafe`` and refuse to run while a CUDA graph is being captured: backends build
+tables on the host each call (gradient addresses change from one micro-batch to the next), which a replayed
+graph would not repeat. torch.compile leaves them out of the graphs it captures.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gafused.buffer import FlatGradBuffer
 
@@ -44,17 +52,19 @@ __all__ = [
     "sum_of_squares",
 ]
 
-BACKENDS = ("reference", "triton", "cuda")
+BACKENDS = ("reference", "foreach", "triton", "cuda")
 ENV_BACKEND = "GAFUSED_BACKEND"
 
 _MODULES = {
     "reference": "gafused.reference",
+    "foreach": "gafused.foreach_backend",
     "triton": "gafused.triton_backend",
     "cuda": "gafused.cuda_backend",
 }
 INSTALL_HINTS = {
     "reference": "",
-    "triton": "pip install triton  (needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 for CPU tensors)",
+    "foreach": "",
+    "triton": "pip install triton  (needs an NVIDIA GPU, or TRITON_INTERPRET=1 for CPU tensors)",
     "cuda": (
         "GAFUSED_FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .  "
         "(from a gafused checkout, on a machine with CUDA torch and nvcc)"
@@ -102,9 +112,13 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Turn ``backend`` (``"auto"`` or a name) into the backend that will run on ``device``.
 
-    ``"auto"`` takes ``$GAFUSED_BACKEND`` when set; otherwise it picks cuda, then triton, then reference for
-    GPU tensors (warning when it ends on reference) and reference for CPU tensors. A named backend that
-    cannot run raises RuntimeError with the reason and the command that installs it.
+    ``"auto"`` takes ``$GAFUSED_BACKEND`` when set; otherwise it picks cuda, then triton, then foreach for GPU
+    tensors (warning when no fused backend can run) and foreach for CPU tensors. A named backend that cannot
+    run raises RuntimeError with the reason and the command that installs it.
+
+    Args:
+        backend: ``"auto"`` or a name from ``BACKENDS``.
+        device: the device of the buffer the ops will run on.
     """
     device = torch.device(device)
     if backend == "auto":
@@ -118,15 +132,15 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
                 if backend_unavailable_reason(candidate, device) is None:
                     return candidate
             warnings.warn(
-                f"gafused: no fused backend can run on {device}; using the reference backend "
+                f"gafused: no fused backend can run on {device}; using the foreach backend "
                 f"(cuda: {backend_unavailable_reason('cuda', device)}; "
                 f"triton: {backend_unavailable_reason('triton', device)})",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return "reference"
+            return "foreach"
         else:
-            return "reference"
+            return "foreach"
     reason = backend_unavailable_reason(backend, device)
     if reason is not None:
         raise RuntimeError(f"{reason}. To install it: {INSTALL_HINTS[backend]}")
@@ -143,10 +157,29 @@ def _module(backend: str) -> ModuleType:
     return module
 
 
+def _eager(acc: torch.Tensor) -> bool:
+    """Whether an op on ``acc`` may call its backend directly: not while torch.compile traces, not on tensor
+    subclasses (FakeTensor, FunctionalTensor) and not under a dispatch mode (make_fx), which need the custom op."""
+    return type(acc) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
+def _backend_for(acc: torch.Tensor, backend: str) -> ModuleType:
+    """The backend module, after refusing CUDA graph capture (see the module docstring)."""
+    if acc.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "gafused ops cannot be captured in a CUDA graph: they build tables on the host for every call. "
+            "Run the accumulator's step outside the captured region."
+        )
+    return _module(backend)
+
+
 # --- torch.library registration -------------------------------------------------------------------------
 
+# Host-built tables per call: a replayed CUDA graph would not rebuild them (see the module docstring).
+_TAGS = (torch.Tag.cudagraph_unsafe,)
 
-@torch.library.custom_op("gafused::fold_", mutates_args=("acc",))
+
+@torch.library.custom_op("gafused::fold_", mutates_args=("acc",), tags=_TAGS)
 def _fold_op(
     acc: torch.Tensor,
     grads: list[torch.Tensor | None],
@@ -156,10 +189,10 @@ def _fold_op(
     first: bool,
     backend: str,
 ) -> None:
-    _module(backend).fold_(acc, grads, offsets, numels, weight, first)
+    _backend_for(acc, backend).fold_(acc, grads, offsets, numels, weight, first)
 
 
-@torch.library.custom_op("gafused::fold_finish_", mutates_args=("acc",))
+@torch.library.custom_op("gafused::fold_finish_", mutates_args=("acc",), tags=_TAGS)
 def _fold_finish_op(
     acc: torch.Tensor,
     grads: list[torch.Tensor | None],
@@ -170,7 +203,7 @@ def _fold_finish_op(
     first: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _module(backend).fold_finish_(acc, grads, offsets, numels, weight, scale, first)
+    return _backend_for(acc, backend).fold_finish_(acc, grads, offsets, numels, weight, scale, first)
 
 
 @_fold_finish_op.register_fake
@@ -178,11 +211,11 @@ def _(acc, grads, offsets, numels, weight, scale, first, backend):
     return acc.new_empty(()), torch.empty((), dtype=torch.bool, device=acc.device)
 
 
-@torch.library.custom_op("gafused::sum_of_squares", mutates_args=())
+@torch.library.custom_op("gafused::sum_of_squares", mutates_args=(), tags=_TAGS)
 def _sum_of_squares_op(
     acc: torch.Tensor, offsets: list[int], numels: list[int], per_segment: bool, backend: str
 ) -> torch.Tensor:
-    return _module(backend).sum_of_squares(acc, offsets, numels, per_segment)
+    return _backend_for(acc, backend).sum_of_squares(acc, offsets, numels, per_segment)
 
 
 @_sum_of_squares_op.register_fake
@@ -190,7 +223,7 @@ def _(acc, offsets, numels, per_segment, backend):
     return acc.new_empty((len(offsets),) if per_segment else ())
 
 
-@torch.library.custom_op("gafused::scale_", mutates_args=("acc", "out"))
+@torch.library.custom_op("gafused::scale_", mutates_args=("acc", "out"), tags=_TAGS)
 def _scale_op(
     acc: torch.Tensor,
     offsets: list[int],
@@ -199,7 +232,7 @@ def _scale_op(
     out: torch.Tensor | None,
     backend: str,
 ) -> None:
-    _module(backend).scale_(acc, offsets, numels, coef, out)
+    _backend_for(acc, backend).scale_(acc, offsets, numels, coef, out)
 
 
 # --- public ops -----------------------------------------------------------------------------------------
@@ -310,7 +343,10 @@ def fold_(
     checked = check_grads(buffer, grads) if check else list(grads)
     w = _scalar(weight, "weight", buffer)
     name = resolve_backend(backend, buffer.device)
-    _fold_op(buffer.data, checked, buffer.offsets, buffer.numels, w, first, name)
+    if _eager(buffer.data):
+        _backend_for(buffer.data, name).fold_(buffer.data, checked, buffer.offsets, buffer.numels, w, first)
+    else:
+        _fold_op(buffer.data, checked, buffer.offsets, buffer.numels, w, first, name)
 
 
 def fold_finish_(
@@ -342,6 +378,9 @@ def fold_finish_(
     w = _scalar(weight, "weight", buffer)
     s = _scalar(scale, "scale", buffer)
     name = resolve_backend(backend, buffer.device)
+    if _eager(buffer.data):
+        module = _backend_for(buffer.data, name)
+        return module.fold_finish_(buffer.data, checked, buffer.offsets, buffer.numels, w, s, first)
     return _fold_finish_op(buffer.data, checked, buffer.offsets, buffer.numels, w, s, first, name)
 
 
@@ -354,6 +393,8 @@ def sum_of_squares(buffer: FlatGradBuffer, *, per_segment: bool = False, backend
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
     name = resolve_backend(backend, buffer.device)
+    if _eager(buffer.data):
+        return _backend_for(buffer.data, name).sum_of_squares(buffer.data, buffer.offsets, buffer.numels, per_segment)
     return _sum_of_squares_op(buffer.data, buffer.offsets, buffer.numels, per_segment, name)
 
 
@@ -388,4 +429,7 @@ def scale_(
         if not out.is_floating_point() or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous floating-point tensor, got dtype {out.dtype}")
     name = resolve_backend(backend, buffer.device)
-    _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)
+    if _eager(buffer.data):
+        _backend_for(buffer.data, name).scale_(buffer.data, buffer.offsets, buffer.numels, c, out)
+    else:
+        _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)

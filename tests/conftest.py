@@ -4,9 +4,15 @@ import pytest
 import torch
 
 # Triton kernels run on CPU tensors through the interpreter when there is no GPU. The flag is read when a
-# kernel is defined, so it has to be set before gafused's Triton backend is imported.
+# kernel is defined, so it has to be set before gafused's Triton backend is imported. On a GPU machine the
+# kernels are compiled for the GPU instead, and cannot run on CPU tensors: tests that build CPU models then
+# skip the triton backend (see ``backend``).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Backends the ``backend`` fixture runs a test with. cuda is left out: it never runs the CPU models these tests
+# build; tests/test_cuda_ops.py covers it on a GPU.
+FIXTURE_BACKENDS = ("reference", "foreach", "triton")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,18 +24,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def _backend_params():
+def device_of(node) -> torch.device:
+    """The device a test's tensors live on: its ``device_type`` parameter when it has one, else CPU (the suite's
+    models are built on CPU unless a test says otherwise)."""
+    callspec = getattr(node, "callspec", None)
+    if callspec is not None and "device_type" in callspec.params:
+        return torch.device(callspec.params["device_type"])
+    return torch.device("cpu")
+
+
+def backend_skip_reason(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run a test on ``device`` (None when it can)."""
     from gafused import ops
 
-    params = [pytest.param("reference", id="reference")]
-    reason = ops.backend_unavailable_reason("triton", "cuda" if torch.cuda.is_available() else "cpu")
-    params.append(pytest.param("triton", id="triton", marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
-    return params
+    reason = ops.backend_unavailable_reason(name, device)
+    return None if reason is None else f"{name} backend cannot run on {device}: {reason}"
 
 
-@pytest.fixture(params=_backend_params())
+@pytest.fixture(params=FIXTURE_BACKENDS)
 def backend(request):
-    """Every backend that can run the wrapper on this machine's default device (triton via the interpreter)."""
+    """Every backend that can run on the device the test uses (triton on CPU only through the interpreter)."""
+    reason = backend_skip_reason(request.param, device_of(request.node))
+    if reason is not None:
+        pytest.skip(reason)
     return request.param
 
 

@@ -1,8 +1,9 @@
-"""The Triton backend against the reference backend, op by op.
+"""The fused backends (triton, foreach) against the reference backend, op by op; then Triton's own properties.
 
-Without a GPU the kernels run on CPU tensors under TRITON_INTERPRET=1 (set in conftest.py), so sizes stay
-small. Every test builds two identical buffers, runs the same op with backend="triton" on one and
-backend="reference" on the other, and compares. Buffer padding holds a sentinel that must survive.
+Without a GPU the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 (set in conftest.py), so sizes
+stay small. Every comparison builds two identical buffers, runs the same op with the backend under test
+(``candidate``) on one and backend="reference" on the other, and compares. Buffer padding holds a sentinel
+that must survive.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 from gafused import GradAccumulator, ops
 from gafused.buffer import FlatGradBuffer
 
-_TRITON_REASON = ops.backend_unavailable_reason("triton", "cuda" if torch.cuda.is_available() else "cpu")
-if _TRITON_REASON is not None:
-    pytest.skip(f"triton backend unavailable: {_TRITON_REASON}", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
 
 from gafused.triton_backend import _layout, unavailable_reason  # noqa: E402 - only importable with triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+_TRITON_REASON = ops.backend_unavailable_reason("triton", DEVICE)
+# Tests of Triton's own properties (launch counts, tables, availability) need it on this module's device.
+needs_triton = pytest.mark.skipif(_TRITON_REASON is not None, reason=f"triton backend unavailable: {_TRITON_REASON}")
 SENTINEL = -7777.25  # exactly representable in every dtype used here; no random value comes near it
 
 # Segment shapes. "mixed" holds an empty, a one-element and an odd segment, one below a block and three
@@ -42,6 +44,15 @@ ELEMENTWISE_TOL = {torch.float32: (1e-6, 1e-6), torch.float64: (1e-12, 1e-12)}
 SUM_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
 
 
+@pytest.fixture(params=["foreach", "triton"])
+def candidate(request) -> str:
+    """A backend compared with the reference on this module's device (skipped where it cannot run)."""
+    reason = ops.backend_unavailable_reason(request.param, DEVICE)
+    if reason is not None:
+        pytest.skip(f"{request.param} backend cannot run on {DEVICE}: {reason}")
+    return request.param
+
+
 def _ids(mapping: dict) -> dict:
     return {"argvalues": list(mapping.values()), "ids": list(mapping.keys())}
 
@@ -54,15 +65,15 @@ def _seed():
 def _buffers(shapes, accum_dtype) -> tuple[FlatGradBuffer, FlatGradBuffer]:
     """Two buffers with the same layout and random contents; padding holds SENTINEL."""
     params = [torch.empty(shape, device=DEVICE) for shape in shapes]
-    triton_buffer = FlatGradBuffer(params, accum_dtype)
+    candidate_buffer = FlatGradBuffer(params, accum_dtype)
     reference_buffer = FlatGradBuffer(params, accum_dtype)
-    contents = torch.full((triton_buffer.numel,), SENTINEL, dtype=accum_dtype, device=DEVICE)
-    for index in range(len(triton_buffer)):
-        start, numel = triton_buffer.offsets[index], triton_buffer.numels[index]
+    contents = torch.full((candidate_buffer.numel,), SENTINEL, dtype=accum_dtype, device=DEVICE)
+    for index in range(len(candidate_buffer)):
+        start, numel = candidate_buffer.offsets[index], candidate_buffer.numels[index]
         contents[start : start + numel] = torch.randn(numel, dtype=accum_dtype, device=DEVICE)
-    triton_buffer.data.copy_(contents)
+    candidate_buffer.data.copy_(contents)
     reference_buffer.data.copy_(contents)
-    return triton_buffer, reference_buffer
+    return candidate_buffer, reference_buffer
 
 
 def _padding_mask(buffer: FlatGradBuffer) -> torch.Tensor:
@@ -91,6 +102,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerances: dict
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
+@needs_triton
 def test_small_layouts_cross_block_boundaries():
     block_size, _ = _layout.launch_config(tuple(torch.Size(s).numel() for s in LAYOUTS["mixed"]))
     assert block_size == 1024, "the 'mixed' layout is sized around 1024-element blocks"
@@ -99,116 +111,116 @@ def test_small_layouts_cross_block_boundaries():
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("grad_dtype", **_ids(GRAD_DTYPES))
 @pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
-def test_fold_matches_reference(shapes, grad_dtype, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+def test_fold_matches_reference(shapes, grad_dtype, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(shapes, accum_dtype)
     # First micro-batch with a Python weight, then two more with 0-d tensor weights.
     weights = [0.75, torch.tensor(1.5), torch.tensor(0.3, dtype=torch.float64)]
     for step, weight in enumerate(weights):
-        grads = _grads(triton_buffer, [grad_dtype])
-        ops.fold_(triton_buffer, grads, weight, first=step == 0, backend="triton")
+        grads = _grads(candidate_buffer, [grad_dtype])
+        ops.fold_(candidate_buffer, grads, weight, first=step == 0, backend=candidate)
         ops.fold_(reference_buffer, grads, weight, first=step == 0, backend="reference")
-        _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
-    _assert_padding_untouched(triton_buffer)
+        _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    _assert_padding_untouched(candidate_buffer)
 
 
 # The interpreter evaluates 0 * inf on masked-off lanes too (numpy warns); the kernel discards those lanes.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("first", [True, False], ids=["first", "not_first"])
-def test_fold_missing_grads(first, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
-    before = triton_buffer.data.clone()
+def test_fold_missing_grads(first, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    before = candidate_buffer.data.clone()
     missing = {1, 3, 5}
-    grads = _grads(triton_buffer, [torch.bfloat16, torch.float32], missing=missing)
+    grads = _grads(candidate_buffer, [torch.bfloat16, torch.float32], missing=missing)
     # An inf weight must not leak into segments without a gradient (0 * inf would be nan).
     weight = torch.tensor(float("inf"))
-    ops.fold_(triton_buffer, grads, weight, first=first, backend="triton")
+    ops.fold_(candidate_buffer, grads, weight, first=first, backend=candidate)
     ops.fold_(reference_buffer, grads, weight, first=first, backend="reference")
-    _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
     for index in missing:
-        segment = triton_buffer.segment(index)
-        expected = torch.zeros_like(segment) if first else before[triton_buffer.offsets[index] :][: segment.numel()]
+        segment = candidate_buffer.segment(index)
+        expected = torch.zeros_like(segment) if first else before[candidate_buffer.offsets[index] :][: segment.numel()]
         assert torch.equal(segment, expected)
-    _assert_padding_untouched(triton_buffer)
+    _assert_padding_untouched(candidate_buffer)
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
-def test_fold_mixed_grad_dtypes_in_one_call(accum_dtype):
-    triton_buffer, reference_buffer = _buffers(LAYOUTS["many_small"], accum_dtype)
+def test_fold_mixed_grad_dtypes_in_one_call(accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(LAYOUTS["many_small"], accum_dtype)
     for first in (True, False):
-        grads = _grads(triton_buffer, list(GRAD_DTYPES.values()), missing={2, 9})
-        ops.fold_(triton_buffer, grads, 0.5, first=first, backend="triton")
+        grads = _grads(candidate_buffer, list(GRAD_DTYPES.values()), missing={2, 9})
+        ops.fold_(candidate_buffer, grads, 0.5, first=first, backend=candidate)
         ops.fold_(reference_buffer, grads, 0.5, first=first, backend="reference")
-        _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
-    _assert_padding_untouched(triton_buffer)
+        _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    _assert_padding_untouched(candidate_buffer)
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("first", [True, False], ids=["first", "not_first"])
 @pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
-def test_fold_finish_matches_reference(shapes, first, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+def test_fold_finish_matches_reference(shapes, first, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(shapes, accum_dtype)
     # Segment 1 has no gradient: it must still be scaled (and zeroed first when ``first``).
-    grads = _grads(triton_buffer, [torch.bfloat16, torch.float16, torch.float32], missing={1})
+    grads = _grads(candidate_buffer, [torch.bfloat16, torch.float16, torch.float32], missing={1})
     weight, scale = torch.tensor(0.8), 0.25
-    result = ops.fold_finish_(triton_buffer, grads, weight, scale, first=first, backend="triton")
+    result = ops.fold_finish_(candidate_buffer, grads, weight, scale, first=first, backend=candidate)
     expected = ops.fold_finish_(reference_buffer, grads, weight, scale, first=first, backend="reference")
-    _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+    _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
     assert result[0].shape == () and result[0].dtype == accum_dtype
     assert result[1].shape == () and result[1].dtype == torch.bool
     _assert_close(result[0], expected[0], SUM_TOL)
     assert not result[1] and not expected[1]
-    _assert_padding_untouched(triton_buffer)
+    _assert_padding_untouched(candidate_buffer)
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_fold_finish_flags_nonfinite(where, bad_value, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
-    grads = _grads(triton_buffer, [torch.bfloat16, torch.float32])
+def test_fold_finish_flags_nonfinite(where, bad_value, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    grads = _grads(candidate_buffer, [torch.bfloat16, torch.float32])
     target = grads[5].view(-1)  # 2050 elements, spanning three blocks
     target[{"first": 0, "middle": target.numel() // 2, "last": target.numel() - 1}[where]] = bad_value
     for first in (True, False):
-        result = ops.fold_finish_(triton_buffer, grads, 1.0, 0.5, first=first, backend="triton")
+        result = ops.fold_finish_(candidate_buffer, grads, 1.0, 0.5, first=first, backend=candidate)
         expected = ops.fold_finish_(reference_buffer, grads, 1.0, 0.5, first=first, backend="reference")
         assert result[1] and expected[1]
-        assert torch.equal(torch.isnan(triton_buffer.data), torch.isnan(reference_buffer.data))
-        assert torch.equal(torch.isinf(triton_buffer.data), torch.isinf(reference_buffer.data))
-        _assert_close(triton_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+        assert torch.equal(torch.isnan(candidate_buffer.data), torch.isnan(reference_buffer.data))
+        assert torch.equal(torch.isinf(candidate_buffer.data), torch.isinf(reference_buffer.data))
+        _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
         _assert_close(result[0], expected[0], SUM_TOL)
-    _assert_padding_untouched(triton_buffer)
+    _assert_padding_untouched(candidate_buffer)
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("per_segment", [False, True], ids=["global", "per_segment"])
 @pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
-def test_sum_of_squares_matches_reference(shapes, per_segment, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
-    result = ops.sum_of_squares(triton_buffer, per_segment=per_segment, backend="triton")
+def test_sum_of_squares_matches_reference(shapes, per_segment, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+    result = ops.sum_of_squares(candidate_buffer, per_segment=per_segment, backend=candidate)
     expected = ops.sum_of_squares(reference_buffer, per_segment=per_segment, backend="reference")
     assert result.shape == expected.shape and result.dtype == expected.dtype
     _assert_close(result, expected, SUM_TOL)
     _assert_close(
-        ops.norm(triton_buffer, per_segment=per_segment, backend="triton"),
+        ops.norm(candidate_buffer, per_segment=per_segment, backend=candidate),
         ops.norm(reference_buffer, per_segment=per_segment, backend="reference"),
         SUM_TOL,
     )
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
-def test_reductions_are_bitwise_repeatable(accum_dtype):
-    triton_buffer, _ = _buffers(LAYOUTS["mixed"], accum_dtype)
-    grads = _grads(triton_buffer, [torch.bfloat16, torch.float32])
-    start = triton_buffer.data.clone()
+def test_reductions_are_bitwise_repeatable(accum_dtype, candidate):
+    candidate_buffer, _ = _buffers(LAYOUTS["mixed"], accum_dtype)
+    grads = _grads(candidate_buffer, [torch.bfloat16, torch.float32])
+    start = candidate_buffer.data.clone()
     totals, flags, globals_, per_segments = [], [], [], []
     for _ in range(3):
-        triton_buffer.data.copy_(start)
-        total, flag = ops.fold_finish_(triton_buffer, grads, 0.7, 0.5, first=False, backend="triton")
+        candidate_buffer.data.copy_(start)
+        total, flag = ops.fold_finish_(candidate_buffer, grads, 0.7, 0.5, first=False, backend=candidate)
         totals.append(total)
         flags.append(flag)
-        globals_.append(ops.sum_of_squares(triton_buffer, backend="triton"))
-        per_segments.append(ops.sum_of_squares(triton_buffer, per_segment=True, backend="triton"))
+        globals_.append(ops.sum_of_squares(candidate_buffer, backend=candidate))
+        per_segments.append(ops.sum_of_squares(candidate_buffer, per_segment=True, backend=candidate))
     for values in (totals, flags, globals_, per_segments):
         assert all(torch.equal(values[0], other) for other in values[1:])
 
@@ -216,39 +228,40 @@ def test_reductions_are_bitwise_repeatable(accum_dtype):
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("coef", [0.37, torch.tensor(1.75)], ids=["number", "tensor"])
 @pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
-def test_scale_in_place_matches_reference(shapes, coef, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(shapes, accum_dtype)
-    ops.scale_(triton_buffer, coef, backend="triton")
+def test_scale_in_place_matches_reference(shapes, coef, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(shapes, accum_dtype)
+    ops.scale_(candidate_buffer, coef, backend=candidate)
     ops.scale_(reference_buffer, coef, backend="reference")
     # One multiply in the buffer's dtype: IEEE fixes the result, so it must match exactly.
-    torch.testing.assert_close(triton_buffer.data, reference_buffer.data, rtol=0, atol=0)
-    _assert_padding_untouched(triton_buffer)
+    torch.testing.assert_close(candidate_buffer.data, reference_buffer.data, rtol=0, atol=0)
+    _assert_padding_untouched(candidate_buffer)
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 @pytest.mark.parametrize("out_dtype", **_ids(GRAD_DTYPES))
-def test_scale_into_out_matches_reference(out_dtype, accum_dtype):
-    triton_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
-    before = triton_buffer.data.clone()
+def test_scale_into_out_matches_reference(out_dtype, accum_dtype, candidate):
+    candidate_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    before = candidate_buffer.data.clone()
     out_sentinel = torch.tensor(SENTINEL, dtype=out_dtype).item()
-    triton_out = torch.full((triton_buffer.numel,), out_sentinel, dtype=out_dtype, device=DEVICE)
-    reference_out = triton_out.clone()
+    candidate_out = torch.full((candidate_buffer.numel,), out_sentinel, dtype=out_dtype, device=DEVICE)
+    reference_out = candidate_out.clone()
     coef = torch.tensor(0.3)
-    ops.scale_(triton_buffer, coef, out=triton_out, backend="triton")
+    ops.scale_(candidate_buffer, coef, out=candidate_out, backend=candidate)
     ops.scale_(reference_buffer, coef, out=reference_out, backend="reference")
     # A multiply and a round-to-nearest-even cast (through float32, as torch casts): exact match.
-    torch.testing.assert_close(triton_out, reference_out, rtol=0, atol=0)
-    assert torch.equal(triton_buffer.data, before), "scale_ with out must leave the buffer unchanged"
-    assert torch.all(triton_out[_padding_mask(triton_buffer)] == out_sentinel)
+    torch.testing.assert_close(candidate_out, reference_out, rtol=0, atol=0)
+    assert torch.equal(candidate_buffer.data, before), "scale_ with out must leave the buffer unchanged"
+    assert torch.all(candidate_out[_padding_mask(candidate_buffer)] == out_sentinel)
 
 
-def test_scale_rounds_bfloat16_to_nearest_even():
+def test_scale_rounds_bfloat16_to_nearest_even(candidate):
     # Halfway and just-above-halfway float32 values, where truncation and rounding disagree.
     values = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-8 + 2.0**-20, -(1.0 + 3 * 2.0**-8)])
+    values = values.to(DEVICE)
     buffer = FlatGradBuffer([torch.empty(values.numel(), device=DEVICE)])
     buffer.data[: values.numel()] = values
     out = torch.empty(buffer.numel, dtype=torch.bfloat16, device=DEVICE)
-    ops.scale_(buffer, 1.0, out=out, backend="triton")
+    ops.scale_(buffer, 1.0, out=out, backend=candidate)
     assert torch.equal(out[: values.numel()], values.to(torch.bfloat16))
 
 
@@ -268,6 +281,7 @@ def _count_launches(monkeypatch) -> list[str]:
     return launches
 
 
+@needs_triton
 def test_launch_count_does_not_grow_with_parameters(monkeypatch):
     launches = _count_launches(monkeypatch)
     counts = {}
@@ -297,6 +311,7 @@ def test_launch_count_does_not_grow_with_parameters(monkeypatch):
     assert counts[300]["scale"] == ["_scale_kernel"]
 
 
+@needs_triton
 def test_unavailable_reason():
     assert unavailable_reason(DEVICE) is None
     reason = unavailable_reason(torch.device("meta"))
@@ -315,12 +330,42 @@ def test_unavailable_on_cpu_without_interpreter():
     assert "TRITON_INTERPRET=1" in result.stdout
 
 
+@needs_triton
 def test_layout_outside_acc_is_rejected():
     from gafused.triton_backend import sum_of_squares
 
     acc = torch.randn(8, device=DEVICE)
     with pytest.raises(ValueError, match="outside acc"):
         sum_of_squares(acc, [4], [5], per_segment=False)
+
+
+@needs_triton
+def test_gradient_tables_are_reused_when_addresses_repeat():
+    acc = torch.zeros(64, device=DEVICE)
+    grads = [torch.randn(5, device=DEVICE), None, torch.randn(7, device=DEVICE).to(torch.bfloat16)]
+    first = _layout.grad_tables(acc, grads)
+    assert _layout.grad_tables(acc, grads).table is first.table
+    moved = [grads[0].clone(), None, grads[2]]
+    assert _layout.grad_tables(acc, moved).table is not first.table
+    strided = [torch.randn(5, 2, device=DEVICE)[:, 0], None, grads[2]]  # copied for the call: never cached
+    assert _layout.grad_tables(acc, strided).table is not _layout.grad_tables(acc, strided).table
+
+
+@needs_triton
+def test_alignment_hints_divide_every_offset():
+    assert _layout.alignment([0, 16, 48]) == 16
+    assert _layout.alignment([64, 24]) == 8
+    assert _layout.alignment([3, 16]) == 1
+    # Gradients that are views at odd element offsets of one tensor: the launch's hint must drop to 1.
+    storage = torch.randn(64, device=DEVICE)
+    grads = [storage[1:6], storage[9:16], storage[20:29]]
+    tables = _layout.grad_tables(torch.zeros(64, device=DEVICE), grads)
+    offsets = tables.table[0].tolist()
+    assert tables.aligns == [1] and all(offset % tables.aligns[0] == 0 for offset in offsets)
+    candidate_buffer, reference_buffer = _buffers([(5,), (7,), (9,)], torch.float32)
+    ops.fold_(candidate_buffer, grads, 0.5, first=False, backend="triton")
+    ops.fold_(reference_buffer, grads, 0.5, first=False, backend="reference")
+    _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
 
 
 class _NoStep(torch.optim.Optimizer):
@@ -337,18 +382,21 @@ class _NoStep(torch.optim.Optimizer):
 _VIEW_OPS = {"aten::view", "aten::slice", "aten::as_strided"}
 
 
+@needs_triton
 def test_wrapper_step_launches_do_not_grow_with_parameters(monkeypatch):
     """A whole GradAccumulator.step(), middle and finishing: the same kernels and torch ops for 3 or 300 params."""
     launches = _count_launches(monkeypatch)
     per_size = {}
     for n_params in (3, 300):
         generator = torch.Generator().manual_seed(n_params)
-        params = [torch.nn.Parameter(torch.zeros(5 + i % 7, dtype=torch.bfloat16)) for i in range(n_params)]
+        params = [
+            torch.nn.Parameter(torch.zeros(5 + i % 7, dtype=torch.bfloat16, device=DEVICE)) for i in range(n_params)
+        ]
         opt = GradAccumulator(_NoStep(params), accumulation_steps=2, max_grad_norm=1.0, backend="triton")
         moments = {}
         for moment in ("middle", "last"):
             for p in params:
-                p.grad = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
+                p.grad = torch.randn(p.shape, generator=generator).to(device=DEVICE, dtype=torch.bfloat16)
             launches.clear()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 opt.step(weight=torch.tensor(2.0))

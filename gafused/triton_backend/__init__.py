@@ -1,8 +1,13 @@
 """Triton backend: the gafused.ops contracts (see gafused/reference.py) as Triton kernels.
 
 Each op covers every segment of a buffer in one launch (one per gradient dtype for ``fold_``), driven by
-a block table built once per layout (``_layout.py``). Kernels run on CUDA/ROCm tensors, and on CPU
-tensors under TRITON_INTERPRET=1, which the test suite uses on machines without a GPU.
+a block table built once per layout (``_layout.py``). Kernels run on CUDA tensors, and on CPU tensors under
+TRITON_INTERPRET=1, which the test suite uses on machines without a GPU.
+
+ROCm is refused: a launch reaches its gradients as int64 offsets from one base pointer, and Triton's AMD
+backend turns loads from a pointer argument into buffer loads whose range is assumed to stay within 2 GB of it
+(compiled for gfx942, the gradient loads are ``buffer_load_dwordx4``), while the offsets reach other
+allocations anywhere in the address space. It would read wrong memory without a sign, so it does not run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ def unavailable_reason(device: torch.device) -> str | None:
     """
     device = torch.device(device)
     if device.type == "cuda":
+        if torch.version.hip is not None:
+            return (
+                "the triton backend does not support ROCm: its gradient tables are offsets from one base pointer, "
+                "which AMD buffer loads assume stay within 2 GB of it"
+            )
         if _INTERPRETED:
             # The interpreter copies each tensor argument to the host on its own; the gradient table
             # reaches gradients through pointer arithmetic from one base, which needs real host memory.

@@ -10,13 +10,23 @@ Gradients are separate tensors. A launch reaches all gradients of one dtype thro
 (the lowest-addressed gradient of that dtype) plus a per-segment int64 table of element offsets
 ``(grad.data_ptr() - base.data_ptr()) // itemsize``. That is plain pointer arithmetic inside the
 kernel, so the same kernel code runs on a GPU and under TRITON_INTERPRET=1 on CPU tensors (where the
-interpreter computes addresses over real host memory). The table is rebuilt on every call because the
-gradients are new tensors each micro-batch: one small host-to-device copy, no synchronization.
+interpreter computes addresses over real host memory). The caching allocator hands a training loop the
+same gradient addresses micro-batch after micro-batch, so the device copy of a table is kept for the
+last few address patterns and reused: a repeated pattern costs no host-to-device copy at all.
+
+Wide loads: a full block (every lane inside its segment) takes an unmasked path, and the kernels tell
+the compiler how its addresses are aligned through ``tl.multiple_of`` hints. The alignments are
+computed here on the host, as the largest power of two up to ``ALIGN_LIMIT`` elements that divides
+every segment offset (``BlockTable.offset_align``; FlatGradBuffer aligns segments to 64 bytes) and
+every gradient offset of a launch (``GradTables.aligns``), and passed as constexprs. A hint is a
+promise: each one here is true of every program that reads through it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +40,38 @@ OTHER_LAUNCH = -2  # the segment's gradient has another dtype: a different launc
 # Elements one program of the second (reduction) stage adds per loop iteration.
 REDUCE_BLOCK = 1024
 
+# Alignment hints stop at 16 elements: enough for 16-byte accesses of every dtype here (4 fp32, 8 bf16), and few
+# enough distinct values that kernels compile only a handful of variants.
+ALIGN_LIMIT = 16
+
+# Gradient tables kept per address pattern (see grad_tables); a few cover loops that alternate between patterns.
+GRAD_TABLE_CACHE_SIZE = 8
+
 
 @triton.jit
-def block_position(block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK: tl.constexpr):
-    """Where this program's block sits: (its block id, segment, segment's offset in acc, element indices within
-    the segment, segment length), all int64. Every kernel starts here; masks are ``index < numel`` or tighter."""
+def block_position(
+    block_segment_ptr,
+    block_start_ptr,
+    segment_offset_ptr,
+    segment_numel_ptr,
+    BLOCK: tl.constexpr,
+    OFFSET_ALIGN: tl.constexpr,
+):
+    """Where this program's block sits: (its block id, segment, segment's offset in acc, block's first element
+    within the segment, segment length), all int64. Every kernel starts here. The offset is a multiple of
+    OFFSET_ALIGN and the start of BLOCK (blocks are cut from each segment's start), which the hints pass on to
+    the compiler so that full blocks load and store 16 bytes at a time."""
     block = tl.program_id(0).to(tl.int64)
     segment = tl.load(block_segment_ptr + block)
-    base = tl.load(segment_offset_ptr + segment)
-    index = tl.load(block_start_ptr + block) + tl.arange(0, BLOCK).to(tl.int64)
+    base = tl.multiple_of(tl.load(segment_offset_ptr + segment), OFFSET_ALIGN)
+    start = tl.multiple_of(tl.load(block_start_ptr + block), BLOCK)
     numel = tl.load(segment_numel_ptr + segment)
-    return block, segment, base, index, numel
+    return block, segment, base, start, numel
+
+
+def alignment(values: list[int] | tuple[int, ...]) -> int:
+    """The largest power of two up to ``ALIGN_LIMIT`` that divides every value (``ALIGN_LIMIT`` when empty)."""
+    return math.gcd(ALIGN_LIMIT, *values)
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,7 @@ class BlockTable:
 
     Attributes:
         block_size: elements per block (a power of two), also the kernels' BLOCK.
+        offset_align: ``alignment(offsets)``, the kernels' OFFSET_ALIGN.
         num_warps: warps per program for the elementwise kernels.
         n_blocks: number of blocks, the grid of the elementwise kernels (0 when every segment is empty).
         block_segment: int64 [n_blocks], segment of each block.
@@ -60,6 +92,7 @@ class BlockTable:
     """
 
     block_size: int
+    offset_align: int
     num_warps: int
     n_blocks: int
     block_segment: torch.Tensor
@@ -69,27 +102,35 @@ class BlockTable:
     segment_first_block: torch.Tensor
 
 
-def launch_config(numels: tuple[int, ...]) -> tuple[int, int]:
+def launch_config(numels: tuple[int, ...], itemsize: int = 4) -> tuple[int, int]:
     """(block size, warps) for a layout: a small heuristic keyed on the buffer's size.
 
-    Small buffers get small blocks so that few lanes are masked off; large ones get 4096-element blocks
-    (16 KB of fp32 per program), enough work per program to stream at memory bandwidth. The result
-    depends only on the layout, so a layout's reductions always use the same blocks (determinism).
+    Small buffers get small blocks so that few lanes are masked off; large ones get 16 KB blocks (4096 fp32 or
+    2048 fp64 elements per program), enough work per program to stream at memory bandwidth. Blocks are cut by
+    bytes, not elements, because 4096 fp64 elements per program spill registers on sm_80 with Triton 3.6. The
+    result depends only on the layout and dtype, so a layout's reductions always use the same blocks
+    (determinism).
+
+    Args:
+        numels: elements of each segment.
+        itemsize: bytes per element of the accumulation buffer.
     """
     total = sum(numels)
     if total >= 1 << 20:
-        return 4096, 8
+        return 16384 // itemsize, 8
     return 1024, 4
 
 
 @functools.lru_cache(maxsize=64)
-def _block_table(device: torch.device, acc_numel: int, offsets: tuple[int, ...], numels: tuple[int, ...]) -> BlockTable:
+def _block_table(
+    device: torch.device, itemsize: int, acc_numel: int, offsets: tuple[int, ...], numels: tuple[int, ...]
+) -> BlockTable:
     if len(offsets) != len(numels):
         raise ValueError(f"offsets and numels must have the same length, got {len(offsets)} and {len(numels)}")
     for start, numel in zip(offsets, numels, strict=True):
         if start < 0 or numel < 0 or start + numel > acc_numel:
             raise ValueError(f"segment [{start}, {start + numel}) lies outside acc of {acc_numel} elements")
-    block_size, num_warps = launch_config(numels)
+    block_size, num_warps = launch_config(numels, itemsize)
     numel_cpu = torch.tensor(numels, dtype=torch.int64)
     blocks_per_segment = (numel_cpu + block_size - 1) // block_size
     first_block = torch.zeros(len(numels) + 1, dtype=torch.int64)
@@ -99,6 +140,7 @@ def _block_table(device: torch.device, acc_numel: int, offsets: tuple[int, ...],
     block_start = (torch.arange(n_blocks, dtype=torch.int64) - first_block[block_segment]) * block_size
     return BlockTable(
         block_size=block_size,
+        offset_align=alignment(offsets),
         num_warps=num_warps,
         n_blocks=n_blocks,
         block_segment=block_segment.to(device),
@@ -111,7 +153,7 @@ def _block_table(device: torch.device, acc_numel: int, offsets: tuple[int, ...],
 
 def block_table(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> BlockTable:
     """The cached block table of this layout on ``acc``'s device (built and checked on first use)."""
-    return _block_table(acc.device, acc.numel(), tuple(offsets), tuple(numels))
+    return _block_table(acc.device, acc.element_size(), acc.numel(), tuple(offsets), tuple(numels))
 
 
 def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -122,53 +164,89 @@ def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return table.to(device)
 
 
-def grad_tables(
-    acc: torch.Tensor, grads: list[torch.Tensor | None]
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-    """Group gradients by dtype, one launch per group.
+@dataclass(frozen=True)
+class GradTables:
+    """How the launches of one call reach the gradients.
 
-    Returns:
-        (bases, table, keep_alive): ``bases[k]`` is the base pointer tensor of launch ``k``, ``table[k]``
-        its int64 row of per-segment element offsets (or ``NO_GRAD`` / ``OTHER_LAUNCH``), and
-        ``keep_alive`` the contiguous copies made here, to hold until the launches are queued.
-        Segments without a gradient (or with no elements) are handled by launch 0; when no segment has
-        a gradient there is one launch whose base is ``acc`` itself, never read through.
+    Attributes:
+        bases: ``bases[k]`` is the tensor whose address launch ``k`` adds its offsets to.
+        table: int64 [launches, segments] on the device: element offsets from the launch's base, or
+            ``NO_GRAD`` / ``OTHER_LAUNCH``.
+        aligns: ``aligns[k]`` is ``alignment`` of launch ``k``'s offsets, the fold kernel's GRAD_ALIGN.
+        keep_alive: copies made for the call (non-contiguous or misaligned gradients), to hold until the
+            launches are queued.
+    """
+
+    bases: list[torch.Tensor]
+    table: torch.Tensor
+    aligns: list[int]
+    keep_alive: list[torch.Tensor]
+
+
+# Address pattern -> (index into grads of each launch's base, device table, alignments). The key holds only
+# integers and dtypes, never tensors, so a cached entry keeps no gradient alive.
+_grad_table_cache: OrderedDict[tuple, tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]] = OrderedDict()
+
+
+def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTables:
+    """Group gradients by dtype, one launch per group, and give each launch its table of offsets.
+
+    Segments without a gradient (or with no elements) are handled by launch 0; when no segment has a
+    gradient there is one launch whose base is ``acc`` itself, never read through. Gradients must be on
+    ``acc``'s device with the segments' element counts (``gafused.ops.check_grads`` makes sure of both).
     """
     keep_alive: list[torch.Tensor] = []
-    groups: dict[torch.dtype, list[int]] = {}
     flat: list[torch.Tensor | None] = []
-    for index, grad in enumerate(grads):
+    key: list[object] = [acc.device]
+    for grad in grads:
         if grad is None or grad.numel() == 0:
             flat.append(None)
+            key.append(None)
             continue
-        if grad.device != acc.device:
-            raise ValueError(f"grads[{index}] is on {grad.device}, acc on {acc.device}")
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
-            keep_alive.append(grad)
-        if grad.data_ptr() % grad.element_size():
-            # An element offset from the base must be exact; a copy is aligned to its dtype.
-            grad = grad.clone()
+        if not grad.is_contiguous() or grad.data_ptr() % grad.element_size():
+            # An element offset from the base must be exact; a contiguous copy is aligned to its dtype.
+            grad = grad.contiguous() if not grad.is_contiguous() else grad.clone()
             keep_alive.append(grad)
         flat.append(grad)
-        groups.setdefault(grad.dtype, []).append(index)
+        key.append(grad.data_ptr())
+        key.append(grad.dtype)
+    cache_key = tuple(key)
+    cached = _grad_table_cache.get(cache_key)
+    if cached is not None:
+        _grad_table_cache.move_to_end(cache_key)
+        base_indices, table, aligns = cached
+        bases = [acc if index < 0 else flat[index] for index in base_indices]
+        return GradTables(bases, table, list(aligns), keep_alive)
 
+    groups: dict[torch.dtype, list[int]] = {}
+    for index, grad in enumerate(flat):
+        if grad is not None:
+            groups.setdefault(grad.dtype, []).append(index)
     n_segments = len(grads)
     if not groups:
-        return [acc], _to_device([[NO_GRAD] * n_segments], acc.device), keep_alive
-
-    no_grad = [i for i, grad in enumerate(flat) if grad is None]
-    bases: list[torch.Tensor] = []
-    rows: list[list[int]] = []
-    for group_index, members in enumerate(groups.values()):
-        row = [OTHER_LAUNCH] * n_segments
-        if group_index == 0:
-            for i in no_grad:
-                row[i] = NO_GRAD
-        base = min((flat[i] for i in members), key=lambda t: t.data_ptr())
-        base_ptr, itemsize = base.data_ptr(), base.element_size()
-        for i in members:
-            row[i] = (flat[i].data_ptr() - base_ptr) // itemsize
-        bases.append(base)
-        rows.append(row)
-    return bases, _to_device(rows, acc.device), keep_alive
+        base_indices: tuple[int, ...] = (-1,)
+        rows = [[NO_GRAD] * n_segments]
+        aligns: tuple[int, ...] = (ALIGN_LIMIT,)
+    else:
+        no_grad = [i for i, grad in enumerate(flat) if grad is None]
+        indices, rows, align_list = [], [], []
+        for group_index, members in enumerate(groups.values()):
+            row = [OTHER_LAUNCH] * n_segments
+            if group_index == 0:
+                for i in no_grad:
+                    row[i] = NO_GRAD
+            base_index = min(members, key=lambda i: flat[i].data_ptr())
+            base_ptr, itemsize = flat[base_index].data_ptr(), flat[base_index].element_size()
+            for i in members:
+                row[i] = (flat[i].data_ptr() - base_ptr) // itemsize
+            indices.append(base_index)
+            rows.append(row)
+            align_list.append(alignment([row[i] for i in members]))
+        base_indices, aligns = tuple(indices), tuple(align_list)
+    table = _to_device(rows, acc.device)
+    if not keep_alive:  # copies get new addresses every call: nothing to reuse
+        _grad_table_cache[cache_key] = (base_indices, table, aligns)
+        if len(_grad_table_cache) > GRAD_TABLE_CACHE_SIZE:
+            _grad_table_cache.popitem(last=False)
+    bases = [acc if index < 0 else flat[index] for index in base_indices]
+    return GradTables(bases, table, list(aligns), keep_alive)

@@ -22,6 +22,34 @@ _OTHER_LAUNCH = tl.constexpr(OTHER_LAUNCH)
 
 
 @triton.jit
+def _fold_values(acc_ptrs, grad_ptrs, weight, scale_ptr, mask, grad_mask, has_grad, FIRST, FINISH, MASKED):
+    """Fold one block and store it; returns the stored values (0 on lanes outside the segment).
+
+    MASKED=False is the full-block path: no masks at all, so the compiler can issue 16-byte accesses.
+    The rounding is the reference's: (0 or acc) + (grad * weight), then * scale, each rounded on its own
+    (launches pass enable_fp_fusion=False, so no multiply-add is contracted into an fma)."""
+    compute = acc_ptrs.dtype.element_ty
+    if MASKED:
+        grad = tl.load(grad_ptrs, mask=grad_mask, other=0.0).to(compute)
+        # A missing gradient contributes exactly zero, even when the weight is inf or nan.
+        value = tl.where(has_grad, grad * weight, 0.0)
+        if not FIRST:
+            value = tl.load(acc_ptrs, mask=mask, other=0.0) + value
+    else:
+        value = tl.load(grad_ptrs).to(compute) * weight
+        if not FIRST:
+            value = tl.load(acc_ptrs) + value
+    if FINISH:
+        value = value * tl.load(scale_ptr)
+    if MASKED:
+        tl.store(acc_ptrs, value, mask=mask)
+        value = tl.where(mask, value, 0.0)
+    else:
+        tl.store(acc_ptrs, value)
+    return value
+
+
+@triton.jit
 def _fold_kernel(
     acc_ptr,
     grad_base_ptr,
@@ -37,9 +65,11 @@ def _fold_kernel(
     FIRST: tl.constexpr,
     FINISH: tl.constexpr,
     BLOCK: tl.constexpr,
+    OFFSET_ALIGN: tl.constexpr,
+    GRAD_ALIGN: tl.constexpr,
 ):
-    block, segment, base, index, numel = block_position(
-        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK
+    block, segment, base, start, numel = block_position(
+        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK, OFFSET_ALIGN
     )
     grad_offset = tl.load(grad_offset_ptr + segment)
     # Sentinels (negative) are NO_GRAD (this launch handles the segment without a gradient) and
@@ -53,23 +83,27 @@ def _fold_kernel(
         # A middle micro-batch leaves a segment without a gradient untouched: no read, no write.
         limit = tl.where(has_grad, limit, 0)
     grad_limit = tl.where(has_grad, limit, 0)
-    mask = index < limit
 
-    compute = acc_ptr.dtype.element_ty
+    lanes = tl.arange(0, BLOCK)
     weight = tl.load(weight_ptr)
-    grad = tl.load(grad_base_ptr + grad_offset + index, mask=index < grad_limit, other=0.0).to(compute)
-    # A missing gradient contributes exactly zero, even when the weight is inf or nan.
-    value = tl.where(has_grad, grad * weight, 0.0)
-    if not FIRST:
-        value = tl.load(acc_ptr + base + index, mask=mask, other=0.0) + value
-    if FINISH:
-        value = value * tl.load(scale_ptr)
-    tl.store(acc_ptr + base + index, value, mask=mask)
+    acc_block_ptr = acc_ptr + base + start
+    if start + BLOCK <= grad_limit:
+        # A full block with a gradient of this launch: the offset is >= 0 here, so its alignment hint holds.
+        grad_block_ptr = grad_base_ptr + tl.multiple_of(grad_offset, GRAD_ALIGN) + start
+        value = _fold_values(
+            acc_block_ptr + lanes, grad_block_ptr + lanes, weight, scale_ptr, None, None, has_grad,
+            FIRST, FINISH, False,
+        )  # fmt: skip
+    else:
+        index = start + lanes
+        value = _fold_values(
+            acc_block_ptr + lanes, grad_base_ptr + grad_offset + start + lanes, weight, scale_ptr,
+            index < limit, index < grad_limit, has_grad, FIRST, FINISH, True,
+        )  # fmt: skip
 
     if FINISH:
-        counted = tl.where(mask, value, 0.0)
-        nonfinite = (counted != counted) | (tl.abs(counted) == float("inf"))
-        tl.store(partial_ptr + block, tl.sum(counted * counted, axis=0), mask=mine)
+        nonfinite = (value != value) | (tl.abs(value) == float("inf"))
+        tl.store(partial_ptr + block, tl.sum(value * value, axis=0), mask=mine)
         tl.store(flag_ptr + block, tl.max(nonfinite.to(tl.int32), axis=0).to(tl.uint8), mask=mine)
 
 
@@ -82,11 +116,7 @@ def _launch(
     scale: torch.Tensor | None,
     first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if len(grads) != len(offsets):
-        raise ValueError(f"grads must hold one entry per segment ({len(offsets)}), got {len(grads)}")
-    for index, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
-        if grad is not None and grad.numel() != numel:
-            raise ValueError(f"grads[{index}] has {grad.numel()} elements, its segment {numel}")
+    # Gradient counts, devices and element counts are gafused.ops.check_grads's job, done once per call upstream.
     table = block_table(acc, offsets, numels)
     finish = scale is not None
     weight = weight.to(device=acc.device, dtype=acc.dtype)
@@ -94,12 +124,12 @@ def _launch(
     partials = torch.empty(table.n_blocks if finish else 0, dtype=acc.dtype, device=acc.device)
     flags = torch.empty(table.n_blocks if finish else 0, dtype=torch.uint8, device=acc.device)
     if table.n_blocks:
-        bases, offsets_table, keep_alive = grad_tables(acc, grads)
-        for launch, base in enumerate(bases):
+        tables = grad_tables(acc, grads)
+        for launch, base in enumerate(tables.bases):
             _fold_kernel[(table.n_blocks,)](
                 acc,
                 base,
-                offsets_table[launch],
+                tables.table[launch],
                 table.block_segment,
                 table.block_start,
                 table.segment_offset,
@@ -111,9 +141,12 @@ def _launch(
                 FIRST=first,
                 FINISH=finish,
                 BLOCK=table.block_size,
+                OFFSET_ALIGN=table.offset_align,
+                GRAD_ALIGN=tables.aligns[launch],
                 num_warps=table.num_warps,
+                enable_fp_fusion=False,
             )
-        del keep_alive  # copies made for the launches: the stream orders their reuse after the kernels
+        del tables  # copies made for the launches: the stream orders their reuse after the kernels
     if not finish:
         return None
     total, flag = reduce_partials(partials, flags, table, per_segment=False)

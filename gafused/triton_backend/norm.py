@@ -26,12 +26,18 @@ def _block_sum_of_squares_kernel(
     segment_numel_ptr,
     partial_ptr,
     BLOCK: tl.constexpr,
+    OFFSET_ALIGN: tl.constexpr,
 ):
-    block, _, base, index, numel = block_position(
-        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK
+    block, _, base, start, numel = block_position(
+        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK, OFFSET_ALIGN
     )
-    mask = index < numel
-    values = tl.load(acc_ptr + base + index, mask=mask, other=0.0).to(partial_ptr.dtype.element_ty)
+    lanes = tl.arange(0, BLOCK)
+    pointers = acc_ptr + base + start + lanes
+    if start + BLOCK <= numel:
+        values = tl.load(pointers)  # a full block: no mask, 16-byte loads
+    else:
+        values = tl.load(pointers, mask=start + lanes < numel, other=0.0)
+    values = values.to(partial_ptr.dtype.element_ty)
     tl.store(partial_ptr + block, tl.sum(values * values, axis=0))
 
 
@@ -105,6 +111,7 @@ def reduce_partials(
             HAS_FLAG=flags is not None,
             REDUCE=REDUCE_BLOCK,
             num_warps=4,
+            enable_fp_fusion=False,
         )
     return sums, None if flag_out is None else flag_out.view(torch.bool)
 
@@ -129,7 +136,9 @@ def sum_of_squares(acc: torch.Tensor, offsets: list[int], numels: list[int], per
             table.segment_numel,
             partials,
             BLOCK=table.block_size,
+            OFFSET_ALIGN=table.offset_align,
             num_warps=table.num_warps,
+            enable_fp_fusion=False,
         )
     sums, _ = reduce_partials(partials, None, table, per_segment)
     return sums

@@ -21,20 +21,40 @@ def _scale_kernel(
     segment_numel_ptr,
     coef_ptr,
     BLOCK: tl.constexpr,
+    OFFSET_ALIGN: tl.constexpr,
 ):
-    _, _, base, index, numel = block_position(
-        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK
+    _, _, base, start, numel = block_position(
+        block_segment_ptr, block_start_ptr, segment_offset_ptr, segment_numel_ptr, BLOCK, OFFSET_ALIGN
     )
-    mask = index < numel
-    # out_ptr is acc_ptr for the in-place form; the product is taken in acc's dtype, then cast on store.
-    value = tl.load(acc_ptr + base + index, mask=mask, other=0.0) * tl.load(coef_ptr)
-    if out_ptr.dtype.element_ty != tl.float64:
+    lanes = tl.arange(0, BLOCK)
+    # out_ptr is acc_ptr for the in-place form; out has acc's layout, so both share the offsets and their hints.
+    acc_pointers = acc_ptr + base + start + lanes
+    out_pointers = out_ptr + base + start + lanes
+    coef = tl.load(coef_ptr)
+    if start + BLOCK <= numel:
+        _scale_values(acc_pointers, out_pointers, coef, None, False)  # a full block: no mask, 16-byte accesses
+    else:
+        _scale_values(acc_pointers, out_pointers, coef, start + lanes < numel, True)
+
+
+@triton.jit
+def _scale_values(acc_pointers, out_pointers, coef, mask, MASKED: tl.constexpr):
+    # The product is taken in acc's dtype, then cast on store.
+    if MASKED:
+        value = tl.load(acc_pointers, mask=mask, other=0.0) * coef
+    else:
+        value = tl.load(acc_pointers) * coef
+    if out_pointers.dtype.element_ty != tl.float64:
         # Narrowing goes through float32, as torch's own float64 -> bf16/fp16 casts do: same rounding.
         value = value.to(tl.float32)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptr + base + index, _to_bfloat16(value), mask=mask)
+    if out_pointers.dtype.element_ty == tl.bfloat16:
+        value = _to_bfloat16(value)
     else:
-        tl.store(out_ptr + base + index, value.to(out_ptr.dtype.element_ty), mask=mask)
+        value = value.to(out_pointers.dtype.element_ty)
+    if MASKED:
+        tl.store(out_pointers, value, mask=mask)
+    else:
+        tl.store(out_pointers, value)
 
 
 @triton.jit
@@ -79,5 +99,7 @@ def scale_(
         table.segment_numel,
         coef.to(device=acc.device, dtype=acc.dtype),
         BLOCK=table.block_size,
+        OFFSET_ALIGN=table.offset_align,
         num_warps=table.num_warps,
+        enable_fp_fusion=False,
     )

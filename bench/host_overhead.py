@@ -1,0 +1,154 @@
+"""Host cost of a middle micro-step on many small tensors, against ``torch._foreach_add_``.
+
+    python bench/host_overhead.py                 # 1024 tensors of 64 fp32 elements, every backend on CPU
+    python bench/host_overhead.py --tensors 148 --numel 4096
+
+A middle micro-step folds one gradient per parameter into the buffer and nothing else, so on tensors this
+small its time is almost all host work: Python, dispatch, argument checks, tables. The baseline is the least
+any multi-tensor accumulation can do: one ``torch._foreach_add_(main_grads, grads)`` over the same tensors.
+DESIGN.md section 3 holds a CPU middle micro-step to at most 1.5x that baseline.
+
+Rows (``rows()``) measure, per backend that runs on the device:
+- ``fold_``: ``gafused.ops.fold_`` with its gradient check (``ops.check_grads``), the op a wrapper calls per buffer;
+- ``fold_ check=False``: the same without the check: dispatch and backend alone;
+- ``step``: a whole ``GradAccumulator.step()`` in the middle of a window (gather ``p.grad``, check, fold,
+  release the gradients), over a no-op inner optimizer.
+Each row gives the median and 20/80% quantiles in microseconds and the ratio to the baseline's median.
+Timings use ``time.perf_counter`` around each call, the cases' samples interleaved; the gradients are handed
+back to the parameters untimed before every ``step`` sample, as backward would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import gafused
+from gafused import FlatGradBuffer, GradAccumulator, ops
+
+__all__ = ["main", "rows"]
+
+
+class _NoStep(torch.optim.Optimizer):
+    """An inner optimizer that does nothing, so a finishing step would time only the accumulator."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure=None):  # noqa: ANN001 - torch.optim.Optimizer's signature
+        return None
+
+
+def rows(
+    tensors: int = 1024,
+    numel: int = 64,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    reps: int = 200,
+    warmup: int = 20,
+) -> list[dict[str, object]]:
+    """Time a middle micro-step of each backend that runs on ``device`` against ``torch._foreach_add_``.
+
+    Args:
+        tensors: number of parameters (and gradients).
+        numel: elements per parameter.
+        dtype: parameter and gradient dtype (the buffer accumulates in float32, float64 for float64).
+        device: where tensors live; CUDA times include the launch, not the kernel's completion.
+        reps: timed samples per measurement.
+        warmup: untimed calls before sampling.
+
+    Returns:
+        One dict per measurement: ``what``, ``backend``, ``tensors``, ``numel``, ``median_us``, ``q20_us``,
+        ``q80_us`` and ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline).
+    """
+    device = torch.device(device)
+    if tensors < 1 or numel < 1:
+        raise ValueError(f"tensors and numel must be positive, got tensors={tensors}, numel={numel}")
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(numel, generator=generator).to(device=device, dtype=dtype) for _ in range(tensors)]
+    accum_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    main_grads = [torch.zeros(numel, dtype=accum_dtype, device=device) for _ in range(tensors)]
+
+    # (what, backend, run, prepare); the first is the baseline.
+    cases: list[tuple[str, str, Callable[[], object], Callable[[], object] | None]] = [
+        ("torch._foreach_add_", "-", lambda: torch._foreach_add_(main_grads, grads), None)
+    ]
+    for backend in gafused.available_backends(device):
+        if backend == "triton" and device.type == "cpu":
+            continue  # only under TRITON_INTERPRET=1: a logic check, not a speed anyone runs
+        params = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(tensors)]
+        buffer = FlatGradBuffer(params, accum_dtype)
+        weight = torch.ones((), device=device)
+        ops.fold_(buffer, grads, weight, first=True, backend=backend)
+
+        def middle_fold(
+            buffer: FlatGradBuffer = buffer, weight: torch.Tensor = weight, backend: str = backend, check: bool = True
+        ) -> None:
+            ops.fold_(buffer, grads, weight, first=False, backend=backend, check=check)
+
+        opt = GradAccumulator(_NoStep(params), accumulation_steps=1 << 30, backend=backend)
+
+        def hand_over(params: list[torch.nn.Parameter] = params) -> None:
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+
+        hand_over()
+        opt.step()  # the first micro-step of the window: later ones are middle micro-steps
+        cases.append(("fold_", backend, middle_fold, None))
+        cases.append(("fold_ check=False", backend, functools.partial(middle_fold, check=False), None))
+        cases.append(("step", backend, opt.step, hand_over))
+
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: list[list[float]] = [[] for _ in cases]
+    # Samples of all cases are interleaved, so load from other processes on a shared machine falls on each alike.
+    for rep in range(warmup + reps):
+        for index, (_, _, run, prepare) in enumerate(cases):
+            if prepare is not None:
+                prepare()
+            synchronize()
+            start = time.perf_counter()
+            run()
+            elapsed = (time.perf_counter() - start) * 1e6
+            if rep >= warmup:
+                samples[index].append(elapsed)
+    results: list[dict[str, object]] = []
+    for (what, backend, _, _), times in zip(cases, samples, strict=True):
+        q = statistics.quantiles(times, n=5)
+        results.append(
+            {"what": what, "backend": backend, "tensors": tensors, "numel": numel,
+             "median_us": statistics.median(times), "q20_us": q[0], "q80_us": q[3]}
+        )  # fmt: skip
+    baseline = results[0]["median_us"]
+    for row in results:
+        row["ratio"] = row["median_us"] / baseline
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the host-cost table for the command-line sizes."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=1024)
+    parser.add_argument("--numel", type=int, default=64)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
+    print(f"middle micro-step, {args.tensors} x {args.numel} {args.dtype} on {args.device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"{'what':<22} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10}")
+    for row in table:
+        print(f"{row['what']:<22} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
+              f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

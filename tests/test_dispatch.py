@@ -1,0 +1,120 @@
+"""Backend choice and op dispatch, including the decisions a machine with a CUDA GPU makes, simulated here.
+
+CI has no GPU, yet the suite must be right on one by construction: there Triton compiles its kernels for the GPU
+(no interpreter), so the triton backend cannot run the CPU models most tests build and must be skipped for them
+with a reason, while GPU tensors get the fused backends. ``cuda_machine`` makes this process look like such a
+machine (CUDA present, Triton kernels compiled rather than interpreted, the cuda extension missing).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import FIXTURE_BACKENDS, backend_skip_reason, device_of
+
+import gafused
+from gafused import FlatGradBuffer, ops
+
+triton_backend = pytest.importorskip("gafused.triton_backend", reason="triton is not installed")
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def cuda_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(triton_backend, "_INTERPRETED", False)  # as without TRITON_INTERPRET: compiled kernels
+    monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda_module = ops._load("cuda")
+    if cuda_module is not None:
+        monkeypatch.setattr(cuda_module, "unavailable_reason", lambda device: "gafused._C is not built")
+
+
+def _node(**params):
+    """A stand-in for a collected test item, with the parameters pytest would give it."""
+    return types.SimpleNamespace(callspec=types.SimpleNamespace(params=params)) if params else types.SimpleNamespace()
+
+
+def test_fixture_skips_triton_for_cpu_models_on_a_cuda_machine(cuda_machine):
+    for name in FIXTURE_BACKENDS:
+        reason = backend_skip_reason(name, device_of(_node()))
+        if name == "triton":
+            assert reason is not None and "cpu" in reason and "TRITON_INTERPRET=1" in reason
+        else:
+            assert reason is None, reason
+    # A test parametrized over device_type runs its cuda case with triton and its cpu case without.
+    assert device_of(_node(device_type="cuda")) == CUDA
+    assert backend_skip_reason("triton", device_of(_node(device_type="cuda"))) is None
+    assert backend_skip_reason("triton", device_of(_node(device_type="cpu"))) is not None
+
+
+def test_auto_on_a_cuda_machine(cuda_machine):
+    assert ops.resolve_backend("auto", CUDA) == "triton"
+    assert ops.resolve_backend("auto", CPU) == "foreach"
+    assert gafused.available_backends() == ["reference", "foreach", "triton"]  # the default device is cuda now
+    assert gafused.available_backends(CPU) == ["reference", "foreach"]
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ops.resolve_backend("triton", CPU)
+
+
+def test_auto_falls_back_to_foreach_with_a_warning_on_rocm(cuda_machine, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    reason = triton_backend.unavailable_reason(CUDA)
+    assert reason is not None and "ROCm" in reason
+    with pytest.warns(RuntimeWarning, match="foreach backend"):
+        assert ops.resolve_backend("auto", CUDA) == "foreach"
+
+
+def test_auto_on_this_machine():
+    assert ops.resolve_backend("auto", CPU) == "foreach"
+    assert "foreach" in gafused.available_backends(CPU)
+
+
+def _buffer_and_grads():
+    params = [torch.empty(3, 5), torch.empty(7)]
+    buffer = FlatGradBuffer(params)
+    return buffer, [torch.randn(p.shape) for p in params]
+
+
+def test_eager_calls_skip_the_custom_op(monkeypatch):
+    buffer, grads = _buffer_and_grads()
+    called = []
+    monkeypatch.setattr(ops, "_fold_op", lambda *args: called.append(args))
+    ops.fold_(buffer, grads, 1.0, first=True, backend="foreach")
+    assert not called
+    torch.testing.assert_close(buffer.view(0), grads[0], rtol=0, atol=0)
+
+
+def test_tracing_goes_through_the_custom_op(monkeypatch):
+    buffer, grads = _buffer_and_grads()
+    called = []
+    monkeypatch.setattr(ops, "_fold_op", lambda *args: called.append(args[-1]))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    ops.fold_(buffer, grads, 1.0, first=True, backend="foreach")
+    assert called == ["foreach"]
+
+
+def test_fake_tensors_go_through_the_custom_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        buffer, grads = _buffer_and_grads()
+        total, flag = ops.fold_finish_(buffer, grads, 1.0, 0.5, first=True, backend="foreach")
+        assert total.shape == () and flag.dtype == torch.bool
+
+
+def test_ops_are_marked_cudagraph_unsafe():
+    for name in ("fold_", "fold_finish_", "sum_of_squares", "scale_"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.gafused, name).default.tags, name
+
+
+def test_graph_capture_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        ops._backend_for(types.SimpleNamespace(is_cuda=True), "foreach")
+    # CPU tensors never ask (the CPU build of torch cannot answer).
+    assert ops._backend_for(torch.zeros(1), "foreach") is ops._module("foreach")

@@ -1,0 +1,114 @@
+"""What the foreach backend promises beyond tests/test_triton_ops.py's comparisons: bitwise folds and scales on
+both of its paths (host weight on CPU, device weight elsewhere), exact non-finite flags where float64 sums of
+squares overflow, gradient shapes that change between calls, and views that do not keep a buffer alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from gafused import FlatGradBuffer, foreach_backend, ops
+
+SHAPES = [(3, 5), (0,), (1,), (2, 3, 4), (17,), (1, 97)]
+GRAD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+ACCUM_DTYPES = {"acc_fp32": torch.float32, "acc_fp64": torch.float64}
+
+
+def _buffers(accum_dtype, generator):
+    params = [torch.empty(shape) for shape in SHAPES]
+    first, second = FlatGradBuffer(params, accum_dtype), FlatGradBuffer(params, accum_dtype)
+    start = torch.randn(first.numel, generator=generator, dtype=accum_dtype)
+    first.data.copy_(start)
+    second.data.copy_(start)
+    return first, second
+
+
+def _grads(buffer, dtype, generator, missing=()):
+    return [
+        None if index in missing else torch.randn(shape, generator=generator).to(dtype)
+        for index, shape in enumerate(buffer.shapes)
+    ]
+
+
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES.values(), ids=GRAD_DTYPES.keys())
+def test_host_path_fold_is_bitwise_the_reference(grad_dtype, accum_dtype):
+    generator = torch.Generator().manual_seed(5)
+    candidate, expected = _buffers(accum_dtype, generator)
+    for step, weight in enumerate([0.75, torch.tensor(1.3), torch.tensor(0.1, dtype=torch.float64)]):
+        grads = _grads(candidate, grad_dtype, generator, missing={step % len(SHAPES)})
+        ops.fold_(candidate, grads, weight, first=step == 0, backend="foreach")
+        ops.fold_(expected, grads, weight, first=step == 0, backend="reference")
+        assert torch.equal(candidate.data, expected.data)
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 20], ids=["one_chunk", "many_chunks"])
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES.values(), ids=GRAD_DTYPES.keys())
+def test_device_path_fold_rounds_like_the_reference_device_path(grad_dtype, accum_dtype, chunk, monkeypatch):
+    # The path a GPU takes (the weight stays a tensor), run on CPU: acc + (grad * weight), each rounded once.
+    monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)
+    monkeypatch.setattr(foreach_backend, "DEVICE_CHUNK_ELEMENTS", chunk)
+    generator = torch.Generator().manual_seed(6)
+    candidate, _ = _buffers(accum_dtype, generator)
+    expected = candidate.data.clone()
+    weight = torch.tensor(0.37, dtype=accum_dtype)
+    grads = _grads(candidate, grad_dtype, generator, missing={2})
+    ops.fold_(candidate, grads, weight, first=False, backend="foreach")
+    for index, grad in enumerate(grads):
+        if grad is not None:
+            segment = expected[candidate.offsets[index] :][: candidate.numels[index]]
+            segment.copy_(segment + grad.reshape(-1).to(accum_dtype) * weight)
+    assert torch.equal(candidate.data, expected)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host_path", "device_path"])
+def test_float64_overflowing_sum_of_squares_is_not_a_nonfinite_value(host, monkeypatch):
+    monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: host)
+    params = [torch.empty(4, dtype=torch.float64), torch.empty(0, dtype=torch.float64)]
+    candidate, expected = FlatGradBuffer(params, torch.float64), FlatGradBuffer(params, torch.float64)
+    grads = [torch.full((4,), 1e200, dtype=torch.float64), None]  # finite, but its square overflows
+    total, flag = ops.fold_finish_(candidate, grads, 1.0, 1.0, first=True, backend="foreach")
+    expected_total, expected_flag = ops.fold_finish_(expected, grads, 1.0, 1.0, first=True, backend="reference")
+    assert torch.isinf(total) and torch.isinf(expected_total)
+    assert not flag and not expected_flag
+    grads[0][2] = float("nan")
+    _, flag = ops.fold_finish_(candidate, grads, 1.0, 1.0, first=True, backend="foreach")
+    assert flag
+
+
+def test_sum_of_squares_against_float64():
+    generator = torch.Generator().manual_seed(7)
+    buffer, _ = _buffers(torch.float32, generator)
+    exact = [buffer.segment(i).double().square().sum() for i in range(len(buffer))]
+    per_segment = ops.sum_of_squares(buffer, per_segment=True, backend="foreach")
+    torch.testing.assert_close(per_segment.double(), torch.stack(exact), rtol=1e-7, atol=0)
+    torch.testing.assert_close(ops.sum_of_squares(buffer, backend="foreach").double(), sum(exact), rtol=1e-7, atol=0)
+
+
+def test_gradient_shapes_may_change_between_calls():
+    generator = torch.Generator().manual_seed(8)
+    candidate, expected = _buffers(torch.float32, generator)
+    shaped = _grads(candidate, torch.float32, generator)
+    for grads in (shaped, [None if g is None else g.reshape(-1) for g in shaped], shaped):
+        ops.fold_(candidate, grads, 0.5, first=False, backend="foreach")
+        ops.fold_(expected, grads, 0.5, first=False, backend="reference")
+        assert torch.equal(candidate.data, expected.data)
+
+
+def test_cached_views_do_not_keep_a_buffer_alive():
+    buffer = FlatGradBuffer([torch.empty(5), torch.empty(3)])
+    ops.scale_(buffer, 0.5, backend="foreach")
+    assert buffer.data in foreach_backend._views_cache
+    alive = weakref.ref(buffer.data)
+    del buffer
+    gc.collect()
+    assert alive() is None
+
+
+def test_layout_outside_acc_is_rejected():
+    with pytest.raises(ValueError, match="outside acc"):
+        foreach_backend.sum_of_squares(torch.zeros(8), [4], [5], per_segment=False)
