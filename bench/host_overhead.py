@@ -6,7 +6,7 @@
 A middle micro-step folds one gradient per parameter into the buffer and nothing else, so on tensors this
 small its time is almost all host work: Python, dispatch, argument checks, tables. The baseline is the least
 any multi-tensor accumulation can do: one ``torch._foreach_add_(main_grads, grads)`` over the same tensors.
-DESIGN.md section 3 holds a CPU middle micro-step to at most 1.5x that baseline.
+docs/design.md section 3 holds a CPU middle micro-step to at most 1.5x that baseline.
 
 Rows (``rows()``) measure, per backend that runs on the device:
 - ``fold_``: ``gafused.ops.fold_`` with its gradient check (``ops.check_grads``), the op a wrapper calls per buffer;
