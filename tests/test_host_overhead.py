@@ -1,0 +1,27 @@
+"""bench/host_overhead.py runs and reports what it claims (timing itself is not asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import host_overhead  # noqa: E402 - bench/ is not a package
+
+
+def test_rows_cover_the_baseline_and_every_cpu_backend():
+    rows = host_overhead.rows(tensors=5, numel=3, reps=3, warmup=1)
+    assert (rows[0]["what"], rows[0]["ratio"]) == ("torch._foreach_add_", 1.0)
+    measured = {(row["what"], row["backend"]) for row in rows[1:]}
+    for backend in ("reference", "foreach"):
+        assert {("fold_", backend), ("fold_ check=False", backend), ("step", backend)} <= measured
+    assert all(row["median_us"] > 0 and row["tensors"] == 5 for row in rows)
+
+
+def test_rows_reject_bad_sizes():
+    with pytest.raises(ValueError, match="tensors"):
+        host_overhead.rows(tensors=0, numel=3, dtype=torch.float32)
