@@ -112,7 +112,7 @@ class GradAccumulator:
         max_grad_norm: clip the finished gradient to this global L2 norm; None disables clipping.
         accum_dtype: accumulation dtype, ``torch.float32`` (default) or ``torch.float64``. float64
             parameters always accumulate in float64: the buffer is never narrower than the parameter.
-        backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"cuda"``. ``"auto"`` takes
+        backend: ``"auto"``, ``"reference"``, ``"foreach"``, ``"triton"`` or ``"cuda"``. ``"auto"`` takes
             ``$GAFUSED_BACKEND`` when set, else the fastest backend that runs on each device.
         grad_scaler: an enabled ``torch.amp.GradScaler`` for fp16 loss scaling. ``backward(loss)`` scales the
             loss itself; with ``loss.backward()`` loops call ``scaler.scale(loss).backward()``. Nothing else of
