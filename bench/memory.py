@@ -133,7 +133,9 @@ def _train(recipe: str, model: torch.nn.Module, data: list[torch.Tensor], tracke
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt = None
     if recipe.startswith("gafused"):
-        opt = gafused.GradAccumulator(inner, n, backend="auto", bucket_bytes=bucket_bytes)
+        # The reference backend folds in place with no temporaries, as the fused GPU kernels do; the foreach
+        # backend converts a bucket of low-precision gradients before adding it, which would show here.
+        opt = gafused.GradAccumulator(inner, n, backend="reference", bucket_bytes=bucket_bytes)
     if recipe == "megatron":
         for param in model.parameters():
             param.main_grad = torch.zeros_like(param, dtype=torch.float32)
