@@ -6,6 +6,9 @@ Environment switches:
 """
 
 import os
+import re
+import shutil
+import subprocess
 
 from setuptools import find_packages, setup
 
@@ -14,17 +17,46 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _cuda_home_from_nvcc() -> str | None:
+    """The toolkit directory of the nvcc on PATH, as nvcc itself reports it (None without a usable nvcc).
+
+    torch guesses CUDA_HOME as the parent of nvcc's directory, which is wrong when nvcc is a wrapper script
+    (/usr/local/bin/nvcc exec'ing /usr/local/cuda-13.0/bin/nvcc gives /usr/local, without the CUDA headers).
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        dryrun = subprocess.run(
+            [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"TOP=(\S+)", dryrun.stdout + dryrun.stderr)
+    if match and os.path.isfile(os.path.join(match.group(1), "include", "cuda_runtime_api.h")):
+        return match.group(1)
+    return None
+
+
 def _cuda_build() -> tuple[list, dict]:
     """Extension modules and build commands for gafused._C, or nothing when CUDA cannot build it here."""
     if _flag("GAFUSED_SKIP_CUDA_BUILD"):
         return [], {}
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME
     except ImportError:
         if _flag("GAFUSED_FORCE_CUDA"):
             raise RuntimeError("GAFUSED_FORCE_CUDA=1 but torch is not importable in the build environment") from None
         return [], {}
+    # torch reads CUDA_HOME once, when cpp_extension is imported: settle it first (an explicit one wins).
+    if torch.version.cuda is not None and not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):
+        cuda_home = _cuda_home_from_nvcc()
+        if cuda_home is not None:
+            os.environ["CUDA_HOME"] = cuda_home
+    from torch.utils.cpp_extension import CUDA_HOME
     if torch.version.cuda is None or CUDA_HOME is None:
         if _flag("GAFUSED_FORCE_CUDA"):
             raise RuntimeError(

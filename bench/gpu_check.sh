@@ -1,61 +1,224 @@
 #!/usr/bin/env bash
-# Everything gafused checks on a CUDA machine, in phases that each fit one short session on it:
+# The phase_* functions and their helpers are called indirectly (by name, or in `timeout bash -c`).
+# shellcheck disable=SC2317
 #
-#   bash bench/gpu_check.sh build      # build gafused._C in place (ninja), print the backends
-#   bash bench/gpu_check.sh tests      # the whole suite on the GPU (cuda vs reference, triton compiled for real)
-#   bash bench/gpu_check.sh sanitize   # compute-sanitizer memcheck over the CUDA backend's op tests
+# Everything gafused checks on a CUDA machine, for one with no network and no pip: a CUDA build of torch,
+# triton, nvcc and pytest preinstalled (matplotlib optional: without it no PNGs are drawn).
+#
+#   bash bench/gpu_check.sh all        # env, build, tests, sanitize, kernels, within $GPU_CHECK_BUDGET_S (570 s)
+#   bash bench/gpu_check.sh env        # versions, the GPU, the tools found
+#   bash bench/gpu_check.sh build      # build gafused._C in place with setup.py (GAFUSED_FORCE_CUDA=1)
+#   bash bench/gpu_check.sh tests      # the whole suite (cuda vs reference, triton compiled for real, 2^31 tests)
+#   bash bench/gpu_check.sh sanitize   # compute-sanitizer memcheck and racecheck over the CUDA op tests
 #   bash bench/gpu_check.sh kernels    # the 256 MB..4 GB kernel sweep against copy bandwidth
 #   bash bench/gpu_check.sh bench      # the full benchmark (micro sets, end to end, kernel sweep)
-#   bash bench/gpu_check.sh all        # build, tests, kernels (default)
 #
-# Results go to $OUT when it is set, else bench/results; one log per phase beside them. Each phase after
-# `build` expects the extension built in place by an earlier `build` in the same tree.
+# Several phases may be named in one call (bash bench/gpu_check.sh build tests). Phases after `build` use the
+# extension it built in place (gafused/_C*.so), so a later call in the same tree may skip `build`. `all` gives
+# each phase a time limit and stops starting phases when the budget is spent, so one call fits a 10-minute
+# session; each phase alone runs without a limit unless GPU_CHECK_PHASE_LIMIT_S is set.
+#
+# Logs and results go to $OUT when it is set, else bench/results/gpu-check; the summary table is printed last
+# and kept as summary.txt beside them. Exit status: 0 when every phase passed or was skipped for a missing tool
+# (compute-sanitizer), 1 when one failed or timed out, 3 when `all` ran out of budget before a phase.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-bench/results}"
+cd "$(dirname "$0")/.." || exit 1
+repo=$(pwd)
+out="${OUT:-bench/results/gpu-check}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+out=$(cd "$out" && pwd)
 python="${PYTHON:-python3}"
-status=0
+budget_s="${GPU_CHECK_BUDGET_S:-570}"
+# Run from the work tree without installing it (there may be no pip): bench/run.py imports gafused too.
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+start=$SECONDS
+summary=()
 
-run_phase() {
-  local phase=$1
-  echo "== $phase"
+# Time limit of each phase inside `all`, seconds (the GPU run of the suite has never been timed: it gets most).
+declare -A phase_cap=([env]=30 [build]=240 [tests]=300 [sanitize]=180 [kernels]=150 [bench]=540)
+
+log() { echo "$out/gpu-$1.log"; }
+
+find_tool() {  # the path of CUDA tool $1: PATH, $CUDA_HOME, the toolkit nvcc reports, /usr/local/cuda*
+  local name=$1 dir top
+  command -v "$name" 2>/dev/null && return 0
+  top=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*TOP=\([^ ]*\).*/\1/p' | head -1)
+  for dir in "${CUDA_HOME:-}" "$top" /usr/local/cuda /usr/local/cuda-*; do
+    [ -n "$dir" ] || continue
+    for path in "$dir/bin/$name" "$dir/$name/$name"; do
+      [ -x "$path" ] && { echo "$path"; return 0; }
+    done
+  done
+  return 1
+}
+
+have_matplotlib() { "$python" -c "import matplotlib" >/dev/null 2>&1; }
+
+# --- phases: each returns 0 (passed), 77 (skipped, reason on the last line of its log) or another failure code.
+
+phase_env() {
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(hostname)  cores: $(nproc)"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$python" - <<'EOF'
+import platform
+
+import torch
+
+print("python", platform.python_version(), "torch", torch.__version__, "CUDA", torch.version.cuda)
+print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none visible")
+try:
+    import triton
+
+    print("triton", triton.__version__)
+except ImportError as error:
+    print("triton: not importable:", error)
+EOF
+    echo "nvcc: $(command -v nvcc || echo missing) $(nvcc --version 2>/dev/null | tail -1)"
+    echo "compute-sanitizer: $(find_tool compute-sanitizer || echo 'not found')"
+    echo "matplotlib: $(have_matplotlib && echo yes || echo 'no (no PNGs)')"
+  } 2>&1 | tee "$(log env)"
+  return "${PIPESTATUS[0]}"
+}
+
+phase_build() {
+  # Forced, so a machine whose torch sees no GPU still builds; TORCH_CUDA_ARCH_LIST defaults to the visible GPU.
+  rm -f gafused/_C*.so
+  if ! "$python" -c "import setuptools" >/dev/null 2>&1; then
+    # torch.utils.cpp_extension imports it too: without it no torch extension builds, by any route.
+    echo "setuptools is not importable by $python: gafused._C cannot be built here" | tee "$(log build)"
+    return 1
+  fi
+  GAFUSED_FORCE_CUDA=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$python" setup.py build_ext --inplace >"$(log build)" 2>&1 ||
+    { tail -40 "$(log build)"; grep -m 20 -iE "error|FAILED" "$(log build)"; return 1; }
+  "$python" -c "import gafused; from gafused import _C; print('gafused._C:', _C.__file__); \
+print('backends:', gafused.available_backends())" 2>&1 | tee -a "$(log build)"
+  return "${PIPESTATUS[0]}"
+}
+
+phase_tests() {
+  "$python" -m pytest tests -q -rs --durations=15 --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$(log tests)" |
+    tail -40
+  return "${PIPESTATUS[0]}"
+}
+
+phase_sanitize() {
+  local sanitizer status=0
+  sanitizer=$(find_tool compute-sanitizer) || {
+    echo "compute-sanitizer not found (PATH, \$CUDA_HOME, nvcc's toolkit, /usr/local/cuda*)" | tee "$(log sanitize)"
+    return 77
+  }
+  : >"$(log sanitize)"
+  # The 2^31-element test allocates 8 GiB, which the tools make slow; Triton is not what is checked here.
+  local tests=(tests/test_cuda_ops.py -q -p no:cacheprovider -k "not int32 and not triton")
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool" | tee -a "$(log sanitize)"
+    "$sanitizer" --tool "$tool" --error-exitcode 3 "$python" -m pytest "${tests[@]}" 2>&1 |
+      tee -a "$(log sanitize)" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  return "$status"
+}
+
+plots_flag() { have_matplotlib || echo "--no-plots"; }
+
+phase_kernels() {
+  # shellcheck disable=SC2046 # an empty flag must vanish
+  "$python" bench/run.py --kernels-only --out "$out" $(plots_flag) 2>&1 | tee "$(log kernels)" | tail -45
+  return "${PIPESTATUS[0]}"
+}
+
+phase_bench() {
+  # shellcheck disable=SC2046
+  "$python" bench/run.py --full --out "$out" $(plots_flag) 2>&1 | tee "$(log bench)" | tail -80
+  return "${PIPESTATUS[0]}"
+}
+
+# What a phase's log says in one line, for the summary table.
+detail_of() {
+  local phase=$1 file
+  file=$(log "$phase")
+  [ -f "$file" ] || return 0
   case "$phase" in
-    build)
-      MAX_JOBS="${MAX_JOBS:-16}" "$python" -m pip install --no-build-isolation --no-deps --no-index -e . \
-        >"$out/gpu-build.log" 2>&1 || { tail -40 "$out/gpu-build.log"; return 1; }
-      "$python" -c "import torch, gafused; print(torch.__version__, torch.cuda.get_device_name(), \
-'backends:', gafused.available_backends())" 2>&1 | tee -a "$out/gpu-build.log"
-      ;;
-    tests)
-      "$python" -m pytest tests -q -rs 2>&1 | tee "$out/gpu-tests.log" | tail -25
-      return "${PIPESTATUS[0]}"
-      ;;
-    sanitize)
-      # The int32-offset test allocates 8 GiB, which memcheck makes slow; every other CUDA op test runs.
-      compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$python" -m pytest tests/test_cuda_ops.py -q -k "not int32" 2>&1 | tee "$out/gpu-memcheck.log" | tail -25
-      return "${PIPESTATUS[0]}"
-      ;;
-    kernels)
-      "$python" bench/run.py --full --kernels-only --out "$out" 2>&1 | tee "$out/gpu-kernels.log" | tail -45
-      return "${PIPESTATUS[0]}"
-      ;;
-    bench)
-      "$python" bench/run.py --full --out "$out" 2>&1 | tee "$out/gpu-bench.log" | tail -80
-      return "${PIPESTATUS[0]}"
-      ;;
-    *)
-      echo "unknown phase '$phase': build, tests, sanitize, kernels, bench or all" >&2
-      return 2
-      ;;
+    env) grep -m 1 "^GPU:" "$file" ;;
+    build) grep -m 1 "^backends:" "$file" ;;
+    tests) grep -E "(passed|failed|error)" "$file" | tail -1 | tr -d '=' | sed 's/^ *//' ;;
+    sanitize) grep -E "ERROR SUMMARY|RACECHECK SUMMARY|not found" "$file" | sed -E 's/^=+ *//' | paste -sd ';' ;;
+    kernels | bench) grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;
   esac
 }
 
-phases=("${@:-all}")
-[ "${phases[0]}" = all ] && phases=(build tests kernels)
+run_phase() {  # run_phase NAME LIMIT_S (0: no limit)
+  local phase=$1 limit=$2 status began=$SECONDS
+  echo "== $phase$([ "$limit" -gt 0 ] && echo " (limit ${limit} s)")"
+  if [ "$limit" -gt 0 ]; then
+    # timeout signals the phase's whole process group (pytest, the sanitizer and their children).
+    timeout -k 15 "$limit" bash -c "phase_$phase"
+    status=$?
+    [ "$status" -eq 137 ] && status=124
+  else
+    "phase_$phase"
+    status=$?
+  fi
+  local word
+  case "$status" in
+    0) word=passed ;;
+    77) word=skipped ;;
+    124) word="TIMED OUT" ;;
+    *) word="FAILED ($status)" ;;
+  esac
+  summary+=("$(printf '%-9s %-12s %5d s  %s' "$phase" "$word" $((SECONDS - began)) "$(detail_of "$phase")")")
+  printf '%s\n' "${summary[@]}" >"$out/summary.txt"
+  echo "== $phase: $word"
+  [ "$status" -eq 0 ] || [ "$status" -eq 77 ]
+}
+
+# Phases run under `timeout` in a child bash: it needs the functions and settings.
+export out python
+export -f log find_tool have_matplotlib plots_flag phase_env phase_build phase_tests phase_sanitize phase_kernels \
+  phase_bench
+
+phases=("$@")
+[ "${#phases[@]}" -gt 0 ] || phases=(all)
 for phase in "${phases[@]}"; do
-  run_phase "$phase" || { status=1; echo "== $phase FAILED"; }
+  case "$phase" in
+    all | env | build | tests | sanitize | kernels | bench) ;;
+    *)
+      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels or bench" >&2
+      exit 2
+      ;;
+  esac
 done
-exit "$status"
+
+failed=0
+if [ "${phases[0]}" = all ]; then
+  # Each phase gets its cap or what is left of the budget, whichever is less; one that could not get a useful
+  # slice is reported as not run. The build must pass for the later phases to mean anything.
+  for phase in env build tests sanitize kernels; do
+    left=$((budget_s - (SECONDS - start)))
+    limit=$((left < phase_cap[$phase] ? left : phase_cap[$phase]))
+    if [ "$limit" -lt 20 ]; then
+      summary+=("$(printf '%-9s %-12s %5d s  %s' "$phase" "not run" 0 "budget of $budget_s s spent")")
+      [ "$failed" -ne 0 ] || failed=3
+      continue
+    fi
+    run_phase "$phase" "$limit" || {
+      failed=1
+      if [ "$phase" = build ]; then
+        summary+=("$(printf '%-9s %-12s %5d s  %s' "later" "not run" 0 "the build failed")")
+        break
+      fi
+    }
+  done
+else
+  for phase in "${phases[@]}"; do
+    run_phase "$phase" "${GPU_CHECK_PHASE_LIMIT_S:-0}" || failed=1
+  done
+fi
+
+printf '%s\n' "${summary[@]}" >"$out/summary.txt"
+echo
+echo "== gafused GPU check: summary ($((SECONDS - start)) s; logs and results in $out)"
+printf '%-9s %-12s %7s  %s\n' phase status time detail
+printf '%s\n' "${summary[@]}"
+exit "$failed"

@@ -7,10 +7,12 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gafused_kernels.h"
@@ -76,16 +78,28 @@ void check_scalar(const char* op, const char* name, const at::Tensor& value, con
               acc.scalar_type(), ", got ", value.scalar_type());
 }
 
+// A run of the table's chunks whose gradients share one dtype: one fold launch each.
+struct GradRun {
+  gafused::DType grad_dtype;
+  int64_t chunk_begin;
+  int64_t chunk_end;
+};
+
 // The table in device memory and its view; the tensor must outlive the launches that read it (it does: the
 // caching allocator keeps the block for the stream until the launches are done).
 struct Table {
   at::Tensor storage;
   gafused::SegmentTable view;
+  std::vector<GradRun> runs;  // for tables with gradients: chunk runs in table order, covering every chunk
 };
 
 // Builds the segment table of gafused_kernels.h on the host and copies it to acc's device on the current stream.
-// grads is null for ops without gradients. Segments without a gradient are left out when
-// keep_missing is false (a middle micro-batch does nothing to them).
+// grads is null for ops without gradients. Segments without a gradient are left out when keep_missing is false
+// (a middle micro-batch does nothing to them).
+//
+// The fold kernels are compiled per gradient dtype, so segments are put in the table grouped by gradient dtype
+// (a stable order: segment order within a group) and each group becomes one run. A model whose gradients share
+// a dtype keeps segment order and gets one run; segments without a gradient join the first dtype's run.
 Table pack_table(const char* op, const at::Tensor& acc, const std::vector<OptionalTensor>* grads,
                  const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels, bool keep_missing) {
   check_layout(op, acc, offsets, numels);
@@ -93,10 +107,16 @@ Table pack_table(const char* op, const at::Tensor& acc, const std::vector<Option
     TORCH_CHECK(grads->size() == offsets.size(), op, ": grads must hold one entry per segment (", offsets.size(),
                 "), got ", grads->size());
   }
-  std::vector<int64_t> grad_ptrs, grad_dtypes, kept_offsets, kept_numels;
+  struct Entry {
+    int64_t address;  // 0: no gradient
+    int64_t code;     // gradient dtype, -1 without a gradient
+    int64_t offset;
+    int64_t numel;
+  };
+  std::vector<Entry> entries;
+  entries.reserve(offsets.size());
   for (size_t i = 0; i < offsets.size(); ++i) {
-    int64_t address = 0;
-    int64_t code = 0;
+    Entry entry{0, -1, offsets[i], numels[i]};
     if (grads != nullptr) {
       const OptionalTensor& grad = (*grads)[i];
       if (!grad.has_value() || !grad->defined()) {
@@ -110,35 +130,63 @@ Table pack_table(const char* op, const at::Tensor& acc, const std::vector<Option
         TORCH_CHECK(grad->is_contiguous(), op, ": grads[", i, "] must be contiguous");
         TORCH_CHECK(grad->numel() == numels[i], op, ": grads[", i, "] has ", grad->numel(),
                     " elements, its segment ", numels[i]);
-        address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad->data_ptr()));
-        code = *grad_code;
+        entry.address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad->data_ptr()));
+        entry.code = *grad_code;
       }
     }
-    grad_ptrs.push_back(address);
-    grad_dtypes.push_back(code);
-    kept_offsets.push_back(offsets[i]);
-    kept_numels.push_back(numels[i]);
+    entries.push_back(entry);
+  }
+  // Missing gradients take the first present dtype (float32 when there is none): they stay in place when the
+  // gradients share a dtype.
+  int64_t missing_code = gafused::kFloat32;
+  for (const Entry& entry : entries) {
+    if (entry.code >= 0) {
+      missing_code = entry.code;
+      break;
+    }
+  }
+  for (Entry& entry : entries) {
+    if (entry.code < 0) entry.code = missing_code;
+  }
+  if (grads != nullptr) {
+    std::stable_sort(entries.begin(), entries.end(),
+                     [](const Entry& a, const Entry& b) { return a.code < b.code; });
   }
 
-  const int64_t count = static_cast<int64_t>(kept_offsets.size());
+  const int64_t count = static_cast<int64_t>(entries.size());
   // Pinned, so the copy below is asynchronous; the caching host allocator holds the block until it is done.
   at::Tensor host =
       at::empty({gafused::packed_table_size(count)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* packed = host.data_ptr<int64_t>();
   int64_t num_chunks = 0;
+  std::vector<GradRun> runs;
   for (int64_t i = 0; i < count; ++i) {
-    packed[i] = grad_ptrs[i];
-    packed[count + i] = grad_dtypes[i];
-    packed[2 * count + i] = kept_offsets[i];
-    packed[3 * count + i] = kept_numels[i];
-    packed[4 * count + i] = num_chunks;
-    num_chunks += gafused::chunks_of(kept_numels[i]);
+    const Entry& entry = entries[i];
+    packed[i] = entry.address;
+    packed[count + i] = entry.offset;
+    packed[2 * count + i] = entry.numel;
+    packed[3 * count + i] = num_chunks;
+    const auto dtype = static_cast<gafused::DType>(entry.code);
+    if (runs.empty() || runs.back().grad_dtype != dtype) runs.push_back(GradRun{dtype, num_chunks, num_chunks});
+    num_chunks += gafused::chunks_of(entry.numel);
+    runs.back().chunk_end = num_chunks;
   }
-  packed[5 * count] = num_chunks;
+  packed[4 * count] = num_chunks;
 
   at::Tensor device_table = host.to(acc.device(), at::kLong, /*non_blocking=*/true);
-  return Table{device_table,
-               gafused::SegmentTable::from_packed(device_table.data_ptr<int64_t>(), count, num_chunks)};
+  return Table{device_table, gafused::SegmentTable::from_packed(device_table.data_ptr<int64_t>(), count, num_chunks),
+               std::move(runs)};
+}
+
+// One fold launch per gradient-dtype run of the table (runs own disjoint chunks, so their order is free).
+void launch_fold_runs(const char* op, gafused::DType acc_dtype, const at::Tensor& acc, const Table& table,
+                      const at::Tensor& weight, const void* scale, bool first, bool finish, void* chunk_sums,
+                      uint8_t* chunk_nonfinite, int64_t stream) {
+  for (const GradRun& run : table.runs) {
+    check_launch(op, gafused::launch_fold(acc_dtype, run.grad_dtype, run.chunk_begin, run.chunk_end, acc.data_ptr(),
+                                          table.view, weight.data_ptr(), scale, first, finish, chunk_sums,
+                                          chunk_nonfinite, as_stream(stream)));
+  }
 }
 
 void fold(const at::Tensor& acc, const std::vector<OptionalTensor>& grads, const std::vector<int64_t>& offsets,
@@ -148,8 +196,7 @@ void fold(const at::Tensor& acc, const std::vector<OptionalTensor>& grads, const
   check_scalar(op, "weight", weight, acc);
   const c10::DeviceGuard guard(acc.device());
   const Table table = pack_table(op, acc, &grads, offsets, numels, /*keep_missing=*/first);
-  check_launch(op, gafused::launch_fold(acc_dtype, acc.data_ptr(), table.view, weight.data_ptr(), nullptr, first,
-                                        /*finish=*/false, nullptr, nullptr, as_stream(stream)));
+  launch_fold_runs(op, acc_dtype, acc, table, weight, nullptr, first, /*finish=*/false, nullptr, nullptr, stream);
 }
 
 std::tuple<at::Tensor, at::Tensor> fold_finish(const at::Tensor& acc, const std::vector<OptionalTensor>& grads,
@@ -168,9 +215,8 @@ std::tuple<at::Tensor, at::Tensor> fold_finish(const at::Tensor& acc, const std:
   at::Tensor chunk_nonfinite = at::empty({num_chunks}, acc.options().dtype(at::kByte));
   at::Tensor total = at::empty({}, acc.options());
   at::Tensor nonfinite = at::empty({}, acc.options().dtype(at::kBool));
-  check_launch(op, gafused::launch_fold(acc_dtype, acc.data_ptr(), table.view, weight.data_ptr(), scale.data_ptr(),
-                                        first, /*finish=*/true, chunk_sums.data_ptr(),
-                                        chunk_nonfinite.data_ptr<uint8_t>(), as_stream(stream)));
+  launch_fold_runs(op, acc_dtype, acc, table, weight, scale.data_ptr(), first, /*finish=*/true, chunk_sums.data_ptr(),
+                   chunk_nonfinite.data_ptr<uint8_t>(), stream);
   check_launch(op, gafused::launch_reduce_chunks(acc_dtype, chunk_sums.data_ptr(), chunk_nonfinite.data_ptr<uint8_t>(),
                                                  num_chunks, total.data_ptr(), nonfinite.data_ptr<bool>(),
                                                  as_stream(stream)));

@@ -21,7 +21,7 @@ namespace gafused {
 // still yields enough chunks (~850k) to keep every SM busy.
 constexpr int64_t kChunkElems = 8192;
 
-// Element types the kernels know. Values are part of the segment table format (SegmentTable::grad_dtypes).
+// Element types the kernels know.
 enum DType : int64_t {
   kFloat32 = 0,
   kFloat64 = 1,
@@ -29,39 +29,41 @@ enum DType : int64_t {
   kFloat16 = 3,
 };
 
-// Per-call description of the segments, in device memory: one int64 tensor of 5 * count + 1 values laid out
-// as [grad_ptrs | grad_dtypes | offsets | numels | first_chunks], built on the host for every call because
-// gradient pointers change every micro-step.
+// Per-call description of the segments, in device memory: one int64 tensor of 4 * count + 1 values laid out
+// as [grad_ptrs | offsets | numels | first_chunks], built on the host for every call because gradient pointers
+// change every micro-step.
 struct SegmentTable {
   const int64_t* grad_ptrs;     // [count] device address of segment i's gradient; 0 when it has none
-  const int64_t* grad_dtypes;   // [count] DType of that gradient (ignored when grad_ptrs[i] == 0)
   const int64_t* offsets;       // [count] element offset of segment i in acc
   const int64_t* numels;        // [count] elements of segment i
   const int64_t* first_chunks;  // [count + 1] exclusive prefix sum of ceil(numels[i] / kChunkElems)
   int64_t count;                // segments in the table
   int64_t num_chunks;           // first_chunks[count], mirrored on the host to size the launch
 
-  // Points the five arrays into `table` (device memory of 5 * count + 1 int64 values).
+  // Points the four arrays into `table` (device memory of 4 * count + 1 int64 values).
   static SegmentTable from_packed(const int64_t* table, int64_t count, int64_t num_chunks) {
-    return SegmentTable{table,         table + count,   table + 2 * count, table + 3 * count,
-                        table + 4 * count, count,       num_chunks};
+    return SegmentTable{table, table + count, table + 2 * count, table + 3 * count, count, num_chunks};
   }
 };
 
 // Number of int64 values of a packed table with `count` segments.
-inline int64_t packed_table_size(int64_t count) { return 5 * count + 1; }
+inline int64_t packed_table_size(int64_t count) { return 4 * count + 1; }
 
 // Chunks of a segment of `numel` elements.
 inline int64_t chunks_of(int64_t numel) { return (numel + kChunkElems - 1) / kChunkElems; }
 
-// acc[seg] = (0 if first else acc[seg]) + weight * grad[seg] for every segment of the table, in acc's dtype
-// (kFloat32 or kFloat64) with one rounding per operation. A segment without a gradient is zeroed when `first`
-// and left alone otherwise. With `finish`, every result is also multiplied by `scale`, and for every chunk c
-// the sum of squares of its results goes to chunk_sums[c] (acc's dtype) and whether any is inf/nan to
-// chunk_nonfinite[c]; both arrays hold table.num_chunks entries. `weight` and `scale` point to one value of
-// acc's dtype in device memory; `scale`, `chunk_sums` and `chunk_nonfinite` may be null without `finish`.
-cudaError_t launch_fold(DType acc_dtype, void* acc, const SegmentTable& table, const void* weight, const void* scale,
-                        bool first, bool finish, void* chunk_sums, uint8_t* chunk_nonfinite, cudaStream_t stream);
+// acc[seg] = (0 if first else acc[seg]) + weight * grad[seg] for every segment whose chunks lie in
+// [chunk_begin, chunk_end), in acc's dtype (kFloat32 or kFloat64) with one rounding per operation. Every gradient
+// in that range has dtype `grad_dtype`: the kernel is compiled once per gradient dtype, so the caller puts the
+// segments of one gradient dtype next to each other in the table and launches once per such run (a segment
+// without a gradient may join any run). A segment without a gradient is zeroed when `first` and left alone
+// otherwise. With `finish`, every result is also multiplied by `scale`, and for every chunk c of the range the sum
+// of squares of its results goes to chunk_sums[c] (acc's dtype) and whether any is inf/nan to chunk_nonfinite[c];
+// both arrays hold table.num_chunks entries. `weight` and `scale` point to one value of acc's dtype in device
+// memory; `scale`, `chunk_sums` and `chunk_nonfinite` may be null without `finish`.
+cudaError_t launch_fold(DType acc_dtype, DType grad_dtype, int64_t chunk_begin, int64_t chunk_end, void* acc,
+                        const SegmentTable& table, const void* weight, const void* scale, bool first, bool finish,
+                        void* chunk_sums, uint8_t* chunk_nonfinite, cudaStream_t stream);
 
 // chunk_sums[c] = sum of squares of chunk c of acc (acc's dtype), for every chunk of the table.
 cudaError_t launch_chunk_sums_of_squares(DType acc_dtype, const void* acc, const SegmentTable& table, void* chunk_sums,

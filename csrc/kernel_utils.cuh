@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -14,12 +15,8 @@
 namespace gafused {
 namespace detail {
 
-// Threads of the streaming kernels. Each thread moves kUnroll wide vectors per loop trip so several 16-byte
-// loads are in flight before the first one is used.
+// Threads of the streaming kernels.
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
-// Resident blocks per SM the grid is sized for; more blocks than that only add waves.
-constexpr int kBlocksPerSm = 8;
 
 // Marks "this segment has no gradient" in templates that take a gradient element type.
 struct NoGrad {};
@@ -73,31 +70,82 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 
 // --- wide vectors -----------------------------------------------------------------------------------------
 
-// N elements loaded or stored as one aligned access (16 bytes for the accumulation type).
+// Every global access of the streaming kernels' main loops is 16 bytes wide (LDG.E.128 / STG.E.128), on every
+// stream: a thread handles kVecElems elements at a time, enough that the narrowest of the two element types fills
+// 16 bytes (4 floats; 8 bf16 gradients, whose float accumulators then take two 16-byte accesses).
+template <typename acc_t, typename other_t>
+constexpr int kVecElems = 16 / static_cast<int>(sizeof(acc_t) < sizeof(other_t) ? sizeof(acc_t) : sizeof(other_t));
+
+// Vectors a thread loads before it uses the first: 32 bytes of accumulator (plus its gradients) per thread in
+// flight. At the 4-8 resident blocks per SM this leaves, that is 48-128 KB per SM, against the ~20 KB an H100
+// needs by Little's law (3.35 TB/s x ~0.8 us over 132 SMs); unrolling deeper would only cost registers, and so
+// resident blocks.
+constexpr int kBytesInFlight = 32;
+template <typename acc_t, int kVec>
+constexpr int kUnrollFor = kVec * static_cast<int>(sizeof(acc_t)) >= kBytesInFlight
+                               ? 1
+                               : kBytesInFlight / (kVec * static_cast<int>(sizeof(acc_t)));
+
+// N elements moved as sizeof(T) * N / 16 aligned 16-byte words.
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
+struct alignas(16) Vec {
+  static_assert(sizeof(T) * N % 16 == 0, "a vector is a whole number of 16-byte words");
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * N / 16;
   T v[N];
 };
 
-// Accumulator elements per 16-byte access: 4 floats or 2 doubles.
-template <typename acc_t>
-constexpr int kVecElems = 16 / static_cast<int>(sizeof(acc_t));
-
-__device__ __forceinline__ bool is_aligned(const void* ptr, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+// The word accessors below spell out the 16-byte accesses, so the vector width does not depend on how the
+// compiler splits a struct copy.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const Vec<T, N>* ptr) {
+  Vec<T, N> out;
+#pragma unroll
+  for (int k = 0; k < Vec<T, N>::kWords; ++k) {
+    reinterpret_cast<uint4*>(&out)[k] = reinterpret_cast<const uint4*>(ptr)[k];
+  }
+  return out;
 }
+
+// Gradients are read once per micro-step and never again: a streaming load (ld.global.cs, SASS LDG.E.EF) marks
+// them evict-first so they do not push the accumulator out of L2. It also tells the compiler the address is
+// global memory: a pointer rebuilt from the table's integers would otherwise get a generic LD.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_streaming(const Vec<T, N>* ptr) {
+  Vec<T, N> out;
+#pragma unroll
+  for (int k = 0; k < Vec<T, N>::kWords; ++k) {
+    reinterpret_cast<uint4*>(&out)[k] = __ldcs(reinterpret_cast<const uint4*>(ptr) + k);
+  }
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ T load_streaming(const T* ptr) {
+  return __ldcs(ptr);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(Vec<T, N>* ptr, const Vec<T, N>& value) {
+#pragma unroll
+  for (int k = 0; k < Vec<T, N>::kWords; ++k) {
+    reinterpret_cast<uint4*>(ptr)[k] = reinterpret_cast<const uint4*>(&value)[k];
+  }
+}
+
+__device__ __forceinline__ bool is_aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // --- work distribution ------------------------------------------------------------------------------------
 
-// Calls body(segment, begin, count, chunk) for each chunk this block owns: chunk `chunk` of the table is
-// elements [begin, begin + count) of segment `segment`. A block owns a contiguous run of chunks, so the
-// binary search for its first segment runs once and later chunks advance linearly through the table.
-// body must be called by every thread of the block (it may synchronize).
+// Calls body(segment, begin, count, chunk) for each chunk of [chunk_begin, chunk_end) this block owns: chunk
+// `chunk` of the table is elements [begin, begin + count) of segment `segment`, count <= kChunkElems. A block
+// owns a contiguous run of chunks, so the binary search for its first segment runs once and later chunks advance
+// linearly through the table. body must be called by every thread of the block (it may synchronize).
 template <typename Body>
-__device__ __forceinline__ void for_each_chunk(const SegmentTable& table, Body&& body) {
-  const int64_t per_block = (table.num_chunks + gridDim.x - 1) / gridDim.x;
-  int64_t chunk = static_cast<int64_t>(blockIdx.x) * per_block;
-  const int64_t end = chunk + per_block < table.num_chunks ? chunk + per_block : table.num_chunks;
+__device__ __forceinline__ void for_each_chunk(const SegmentTable& table, int64_t chunk_begin, int64_t chunk_end,
+                                               Body&& body) {
+  const int64_t per_block = (chunk_end - chunk_begin + gridDim.x - 1) / gridDim.x;
+  int64_t chunk = chunk_begin + static_cast<int64_t>(blockIdx.x) * per_block;
+  const int64_t end = chunk + per_block < chunk_end ? chunk + per_block : chunk_end;
   if (chunk >= end) return;
   // Invariant: first_chunks[low] <= chunk < first_chunks[high]; ends on the one segment holding the chunk
   // (segments without elements own no chunk, so they are skipped by the strict upper bound).
@@ -116,23 +164,43 @@ __device__ __forceinline__ void for_each_chunk(const SegmentTable& table, Body&&
     while (table.first_chunks[segment + 1] <= chunk) ++segment;
     const int64_t begin = (chunk - table.first_chunks[segment]) * kChunkElems;
     const int64_t left = table.numels[segment] - begin;
-    body(segment, begin, left < kChunkElems ? left : kChunkElems, chunk);
+    // Within a chunk int indices suffice (count <= kChunkElems) and cost half the registers of int64 ones.
+    body(segment, begin, static_cast<int>(left < kChunkElems ? left : kChunkElems), chunk);
   }
 }
 
-// Blocks for a launch over `num_chunks` chunks on the current device (at least 1).
-inline cudaError_t grid_for_chunks(int64_t num_chunks, int* grid) {
-  int device = 0;
-  int sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error != cudaSuccess) return error;
-  error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error != cudaSuccess) return error;
-  const int64_t cap = static_cast<int64_t>(sms) * kBlocksPerSm;
-  const int64_t blocks = num_chunks < cap ? num_chunks : cap;
-  *grid = blocks > 0 ? static_cast<int>(blocks) : 1;
-  return cudaSuccess;
-}
+// The grid of a launch: as many blocks as the device holds at once for this kernel, fewer when there is less
+// work; each block then walks its run of chunks. Sized from the kernel's real occupancy (registers, shared
+// memory), so the grid is one full wave whatever the compiler made of the kernel. One instance per kernel (a
+// function-local static of the launcher) caches the device's capacity: launches pay no occupancy query.
+class ResidentGrid {
+ public:
+  template <typename Kernel>
+  cudaError_t size(Kernel kernel, int block_threads, int64_t work_items, int* grid) {
+    int device = 0;
+    cudaError_t error = cudaGetDevice(&device);
+    if (error != cudaSuccess) return error;
+    int capacity = device < kMaxDevices ? capacity_[device].load(std::memory_order_relaxed) : 0;
+    if (capacity == 0) {
+      int sms = 0;
+      int per_sm = 0;
+      error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      if (error != cudaSuccess) return error;
+      error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, 0);
+      if (error != cudaSuccess) return error;
+      // Zero means the kernel cannot run at this block size on this device; say so instead of launching.
+      if (per_sm < 1) return cudaErrorLaunchOutOfResources;
+      capacity = sms * per_sm;
+      if (device < kMaxDevices) capacity_[device].store(capacity, std::memory_order_relaxed);
+    }
+    *grid = static_cast<int>(work_items < 1 ? 1 : (work_items < capacity ? work_items : capacity));
+    return cudaSuccess;
+  }
+
+ private:
+  static constexpr int kMaxDevices = 64;  // devices past this are queried on every launch
+  std::atomic<int> capacity_[kMaxDevices] = {};
+};
 
 // --- deterministic block reduction ------------------------------------------------------------------------
 

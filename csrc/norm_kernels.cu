@@ -13,29 +13,31 @@ constexpr int kReduceThreads = 1024;
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     chunk_sums_kernel(const acc_t* __restrict__ acc, SegmentTable table, acc_t* __restrict__ chunk_sums) {
-  constexpr int V = kVecElems<acc_t>;
+  constexpr int V = kVecElems<acc_t, acc_t>;
+  constexpr int U = kUnrollFor<acc_t, V>;
   using AccVec = Vec<acc_t, V>;
-  for_each_chunk(table, [&](int64_t segment, int64_t begin, int64_t count, int64_t chunk) {
+  for_each_chunk(table, 0, table.num_chunks, [&](int64_t segment, int64_t begin, int count, int64_t chunk) {
     const acc_t* src = acc + table.offsets[segment] + begin;
+    const AccVec* src_vecs = reinterpret_cast<const AccVec*>(src);
     ChunkStats<acc_t> stats;
-    const int64_t num_vecs = is_aligned(src, sizeof(AccVec)) ? count / V : 0;
-    for (int64_t base = threadIdx.x; base < num_vecs; base += static_cast<int64_t>(kThreads) * kUnroll) {
-      AccVec values[kUnroll];
+    const int num_vecs = is_aligned_16(src) ? count / V : 0;
+    for (int base = threadIdx.x; base < num_vecs; base += kThreads * U) {
+      AccVec values[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
-        if (i < num_vecs) values[u] = reinterpret_cast<const AccVec*>(src)[i];
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * kThreads;
+        if (i < num_vecs) values[u] = load_vec(src_vecs + i);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * kThreads;
         if (i < num_vecs) {
 #pragma unroll
           for (int k = 0; k < V; ++k) stats.add(values[u].v[k]);
         }
       }
     }
-    for (int64_t i = num_vecs * V + threadIdx.x; i < count; i += kThreads) stats.add(src[i]);
+    for (int i = num_vecs * V + threadIdx.x; i < count; i += kThreads) stats.add(src[i]);
     const acc_t sum = block_sum<kThreads>(stats.sum_of_squares);
     if (threadIdx.x == 0) chunk_sums[chunk] = sum;
   });
@@ -75,23 +77,26 @@ __global__ void __launch_bounds__(kThreads) reduce_chunks_per_segment_kernel(con
 template <typename acc_t>
 cudaError_t launch_chunk_sums_typed(const void* acc, const SegmentTable& table, void* chunk_sums,
                                     cudaStream_t stream) {
+  constexpr auto kernel = chunk_sums_kernel<acc_t>;
+  static ResidentGrid resident;
   int grid = 0;
-  const cudaError_t error = grid_for_chunks(table.num_chunks, &grid);
+  const cudaError_t error = resident.size(kernel, kThreads, table.num_chunks, &grid);
   if (error != cudaSuccess) return error;
-  chunk_sums_kernel<acc_t>
-      <<<grid, kThreads, 0, stream>>>(static_cast<const acc_t*>(acc), table, static_cast<acc_t*>(chunk_sums));
+  kernel<<<grid, kThreads, 0, stream>>>(static_cast<const acc_t*>(acc), table, static_cast<acc_t*>(chunk_sums));
   return cudaGetLastError();
 }
 
 template <typename acc_t>
 cudaError_t launch_per_segment_typed(const void* chunk_sums, const SegmentTable& table, void* per_segment,
                                      cudaStream_t stream) {
+  constexpr auto kernel = reduce_chunks_per_segment_kernel<acc_t>;
+  static ResidentGrid resident;
   int grid = 0;
-  // Sized like the streaming kernels; one block per segment when there are fewer segments than that.
-  const cudaError_t error = grid_for_chunks(table.count, &grid);
+  // One block per segment, or one full wave of blocks that stride over the segments.
+  const cudaError_t error = resident.size(kernel, kThreads, table.count, &grid);
   if (error != cudaSuccess) return error;
-  reduce_chunks_per_segment_kernel<acc_t><<<grid, kThreads, 0, stream>>>(static_cast<const acc_t*>(chunk_sums), table,
-                                                                         static_cast<acc_t*>(per_segment));
+  kernel<<<grid, kThreads, 0, stream>>>(static_cast<const acc_t*>(chunk_sums), table,
+                                        static_cast<acc_t*>(per_segment));
   return cudaGetLastError();
 }
 

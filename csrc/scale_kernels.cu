@@ -7,50 +7,54 @@ namespace gafused {
 namespace detail {
 namespace {
 
-// out_t == acc_t with out == acc is the in-place case.
+// out_t == acc_t with out == acc is the in-place case (so no __restrict__ on them).
 template <typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kThreads)
     scale_kernel(const acc_t* acc, out_t* out, SegmentTable table, const acc_t* __restrict__ coef) {
-  constexpr int V = kVecElems<acc_t>;
+  constexpr int V = kVecElems<acc_t, out_t>;
+  constexpr int U = kUnrollFor<acc_t, V>;
   using AccVec = Vec<acc_t, V>;
   using OutVec = Vec<out_t, V>;
   const acc_t c = *coef;
-  for_each_chunk(table, [&](int64_t segment, int64_t begin, int64_t count, int64_t) {
+  for_each_chunk(table, 0, table.num_chunks, [&](int64_t segment, int64_t begin, int count, int64_t) {
     const int64_t start = table.offsets[segment] + begin;
     const acc_t* src = acc + start;
     out_t* dst = out + start;
-    const bool vectorized = is_aligned(src, sizeof(AccVec)) && is_aligned(dst, sizeof(OutVec));
-    const int64_t num_vecs = vectorized ? count / V : 0;
-    for (int64_t base = threadIdx.x; base < num_vecs; base += static_cast<int64_t>(kThreads) * kUnroll) {
-      AccVec values[kUnroll];
+    const AccVec* src_vecs = reinterpret_cast<const AccVec*>(src);
+    OutVec* dst_vecs = reinterpret_cast<OutVec*>(dst);
+    const int num_vecs = is_aligned_16(src) && is_aligned_16(dst) ? count / V : 0;
+    for (int base = threadIdx.x; base < num_vecs; base += kThreads * U) {
+      AccVec values[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
-        if (i < num_vecs) values[u] = reinterpret_cast<const AccVec*>(src)[i];
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * kThreads;
+        if (i < num_vecs) values[u] = load_vec(src_vecs + i);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * kThreads;
         if (i < num_vecs) {
           OutVec result;
 #pragma unroll
           for (int k = 0; k < V; ++k) result.v[k] = from_acc<out_t>(mul_rn(values[u].v[k], c));
-          reinterpret_cast<OutVec*>(dst)[i] = result;
+          store_vec(dst_vecs + i, result);
         }
       }
     }
-    for (int64_t i = num_vecs * V + threadIdx.x; i < count; i += kThreads) dst[i] = from_acc<out_t>(mul_rn(src[i], c));
+    for (int i = num_vecs * V + threadIdx.x; i < count; i += kThreads) dst[i] = from_acc<out_t>(mul_rn(src[i], c));
   });
 }
 
 template <typename acc_t, typename out_t>
 cudaError_t launch_scale_typed(const void* acc, void* out, const SegmentTable& table, const void* coef,
                                cudaStream_t stream) {
+  constexpr auto kernel = scale_kernel<acc_t, out_t>;
+  static ResidentGrid resident;
   int grid = 0;
-  const cudaError_t error = grid_for_chunks(table.num_chunks, &grid);
+  const cudaError_t error = resident.size(kernel, kThreads, table.num_chunks, &grid);
   if (error != cudaSuccess) return error;
-  scale_kernel<acc_t, out_t><<<grid, kThreads, 0, stream>>>(static_cast<const acc_t*>(acc), static_cast<out_t*>(out),
-                                                            table, static_cast<const acc_t*>(coef));
+  kernel<<<grid, kThreads, 0, stream>>>(static_cast<const acc_t*>(acc), static_cast<out_t*>(out), table,
+                                        static_cast<const acc_t*>(coef));
   return cudaGetLastError();
 }
 

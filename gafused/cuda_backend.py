@@ -1,8 +1,9 @@
 """CUDA backend: the contracts of gafused.reference, run by the compiled extension ``gafused._C`` (csrc/).
 
-Each op is one multi-tensor launch over the whole buffer (plus a one-block cleanup for reductions): a
-per-call table of gradient pointers, offsets and sizes goes to the device with the arguments, so the
-number of launches does not grow with the number of parameters. Scalars stay on the device.
+Each op is one multi-tensor launch over the whole buffer (plus a one-block cleanup for reductions; a fold
+launches once per gradient dtype present): a per-call table of gradient pointers, offsets and sizes goes to
+the device with the arguments, so the number of launches does not grow with the number of parameters.
+Scalars stay on the device.
 
 Importing this module fails with ImportError when the extension was not built; gafused.ops remembers that
 error and reports it with the command that builds the extension.

@@ -56,6 +56,45 @@ def test_cuda_backend_import_failure_or_cpu_refusal_is_explained():
         assert reason is not None and "CUDA devices only" in reason
 
 
+def _built_extension():
+    try:
+        from gafused import _C
+    except ImportError as error:
+        pytest.skip(f"gafused._C is not built or does not load here ({error}); bench/cuda_build_check.sh builds it")
+    return _C
+
+
+def test_built_extension_refuses_cpu_tensors_naming_the_argument():
+    """Every op of a built gafused._C, and its Python wrapper, refuses a CPU buffer with a message (no GPU needed)."""
+    extension = _built_extension()
+    from gafused import cuda_backend
+
+    acc, grad, scalar = torch.zeros(64), torch.ones(8), torch.tensor(1.0)
+    stream = 0  # never used: the checks come first
+    extension_calls = {
+        "fold_": lambda: extension.fold_(acc, [grad], [0], [8], scalar, True, stream),
+        "fold_finish_": lambda: extension.fold_finish_(acc, [grad], [0], [8], scalar, scalar, True, stream),
+        "sum_of_squares": lambda: extension.sum_of_squares(acc, [0], [8], False, stream),
+        "scale_": lambda: extension.scale_(acc, [0], [8], scalar, None, stream),
+    }
+    # An op added to the extension must be added here too.
+    assert {name for name in dir(extension) if not name.startswith("_")} == set(extension_calls)
+    for name, call in extension_calls.items():
+        with pytest.raises(RuntimeError, match=re.escape(f"{name}: acc must be a CUDA tensor, got one on cpu")):
+            call()
+
+    wrapper_calls = {
+        "fold_": lambda: cuda_backend.fold_(acc, [grad], [0], [8], scalar, True),
+        "fold_finish_": lambda: cuda_backend.fold_finish_(acc, [grad], [0], [8], scalar, scalar, True),
+        "sum_of_squares": lambda: cuda_backend.sum_of_squares(acc, [0], [8], False),
+        "scale_": lambda: cuda_backend.scale_(acc, [0], [8], scalar, None),
+    }
+    assert set(wrapper_calls) <= set(cuda_backend.__all__)
+    for call in wrapper_calls.values():
+        with pytest.raises(ValueError, match=re.escape("needs acc on a CUDA device, got one on cpu")):
+            call()
+
+
 # --- GPU helpers ------------------------------------------------------------------------------------------
 
 
