@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gafused import ops
+from gafused import distributed, ops
 from gafused.buffer import ACCUM_DTYPES, DEFAULT_BUCKET_BYTES, FlatGradBuffer
 from gafused.ingest import BucketHooks
 
@@ -35,6 +36,7 @@ __all__ = ["GradAccumulator"]
 
 _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 _STATE_VERSION = 2
+_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Inner optimizers that cannot run on a finished dense gradient handed over as p.grad.
 _UNSUPPORTED_OPTIMIZERS = {
     torch.optim.LBFGS: "it re-evaluates the loss through a closure, which a window of micro-batches cannot give",
@@ -47,6 +49,9 @@ class _Group:
     """One flat buffer and the parameters (one device, one dtype) that accumulate into it."""
 
     buffer: FlatGradBuffer
+    # The optimizer's parameters, whose .grad is read and written (FSDP2: sharded DTensors; the buffer lays
+    # out their local shards, buffer.params).
+    params: list[torch.Tensor]
     names: list[str]
     backend: str
     # Host-side record of which parameters got a gradient in the open window: known without a sync.
@@ -62,10 +67,6 @@ class _Group:
     # This micro-batch's fold weight and (on a window's last micro-batch) the window scale, on the buffer's device.
     fold_weight: torch.Tensor | None = None
     scale: torch.Tensor | None = None
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self.buffer.params
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -121,6 +122,14 @@ class GradAccumulator:
         bucket_bytes: ``backward()`` folds gradients in buckets of about this many bytes of buffer, each as
             soon as backward has produced all its gradients; at most about one bucket of fresh gradients is
             alive beside the buffers.
+        model: under torch.distributed, the ``DistributedDataParallel`` module or the module sharded with
+            ``fully_shard`` (FSDP2) that computes the gradients. gafused then owns gradient synchronization:
+            the finished gradient is the sum over ranks and micro-batches of ``w * g`` divided by the global
+            weight sum, ``grad_norm`` is global, and each bucket is reduced once per window (DDP's own
+            all-reduce is turned off, as under ``no_sync()``). ``step()`` on a window's last micro-batch and
+            ``flush()`` are then collective: every rank calls them. See gafused/distributed.py.
+        reduce_dtype: DDP only: the dtype buckets are all-reduced in (default: the accumulation dtype;
+            ``torch.bfloat16`` halves the bytes and rounds the summed gradient to bfloat16).
     """
 
     def __init__(
@@ -132,6 +141,9 @@ class GradAccumulator:
         backend: str = "auto",
         grad_scaler: torch.amp.GradScaler | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        model: torch.nn.Module | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(optimizer, GradAccumulator):
             raise TypeError("optimizer must be the inner torch.optim.Optimizer, not another GradAccumulator")
@@ -149,11 +161,23 @@ class GradAccumulator:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         _check_positive_int(bucket_bytes, "bucket_bytes")
+        if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be None or one of {_REDUCE_DTYPES}, got {reduce_dtype!r}")
+        if model is None:
+            if reduce_dtype is not None:
+                raise ValueError("reduce_dtype is for the buckets of a DDP model: pass model= as well")
+            distributed.warn_without_model()
+            sync = distributed.Sync()
+        else:
+            params = [param for param_group in optimizer.param_groups for param in param_group["params"]]
+            sync = distributed.for_model(model, params, reduce_dtype)
 
         self.optimizer: torch.optim.Optimizer = optimizer
         self.accum_dtype: torch.dtype = accum_dtype
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes)
+        self._sync: distributed.Sync = sync
+        self._global: bool = model is not None  # windows end with collectives (every rank takes part)
+        self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes, sync)
         self._home: torch.device = self._groups[0].buffer.device
         self._managed_count: int = sum(len(group.params) for group in self._groups)
 
@@ -162,6 +186,7 @@ class GradAccumulator:
         self.skipped_steps: int = 0
         self.grad_norm: torch.Tensor | None = None
         self._weight_sum: torch.Tensor | None = None  # float64, home device
+        self._rank_mismatch: torch.Tensor | None = None  # bool, home device: ranks disagree on the window
         self._bad_weight: torch.Tensor | None = None  # bool, home device: a device weight failed its check
         self._inv_loss_scale: torch.Tensor | None = None  # 1 / GradScaler scale, fixed for the window
         self._window_lrs: list[Any] | None = None
@@ -170,7 +195,21 @@ class GradAccumulator:
         # the window's last; None when no backward() call opened one.
         self._micro: _MicroBatch | None = None
         self._published_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._hooks = BucketHooks([group.buffer for group in self._groups], self)
+        self._hooks = BucketHooks(
+            [group.buffer for group in self._groups], self, [group.params for group in self._groups]
+        )
+        # Across ranks: buckets reduced on a window's last micro-batch, launched in this fixed order on every
+        # rank (collectives must match), each as soon as it and every bucket before it are folded.
+        self._reduce_order: list[tuple[int, int]] = [
+            (g, b) for g, group in enumerate(self._groups) for b in range(len(group.buffer.bucket_ranges))
+        ]
+        self._reducing = False  # folding the last micro-batch of a window whose buckets gafused reduces
+        self._ready: set[tuple[int, int]] = set()
+        self._pending: dict[tuple[int, int], Any] = {}
+        self._model_hook: torch.utils.hooks.RemovableHandle | None = None
+        if model is not None:
+            # FSDP2 assigns gradients without autograd's tensor hooks: release published ones before a forward.
+            self._model_hook = model.register_forward_pre_hook(_release_published_before_forward(self))
 
     def __del__(self) -> None:
         hooks = getattr(self, "_hooks", None)
@@ -178,12 +217,19 @@ class GradAccumulator:
             hooks.remove()
         for handle in getattr(self, "_published_hooks", ()):
             handle.remove()
+        model_hook = getattr(self, "_model_hook", None)
+        if model_hook is not None:
+            model_hook.remove()
 
     # --- construction -----------------------------------------------------------------------------------
 
     @staticmethod
     def _build_groups(
-        optimizer: torch.optim.Optimizer, accum_dtype: torch.dtype, backend: str, bucket_bytes: int
+        optimizer: torch.optim.Optimizer,
+        accum_dtype: torch.dtype,
+        backend: str,
+        bucket_bytes: int,
+        sync: distributed.Sync,
     ) -> list[_Group]:
         by_key: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
         seen: dict[int, str] = {}
@@ -208,9 +254,10 @@ class GradAccumulator:
         groups = []
         for (device, dtype), (params, names) in by_key.items():
             buffer_dtype = torch.float64 if dtype == torch.float64 else accum_dtype
-            buffer = FlatGradBuffer(params, accum_dtype=buffer_dtype, bucket_bytes=bucket_bytes)
+            local = [sync.local_tensor(param) for param in params]
+            buffer = FlatGradBuffer(local, accum_dtype=buffer_dtype, bucket_bytes=bucket_bytes)
             chosen = ops.resolve_backend(backend, device)
-            group = _Group(buffer=buffer, names=names, backend=chosen, had_grad=[False] * len(params))
+            group = _Group(buffer=buffer, params=params, names=names, backend=chosen, had_grad=[False] * len(params))
             group.bucket_touched = [False] * len(buffer.bucket_ranges)
             group.bucket_results = [None] * len(buffer.bucket_ranges)
             groups.append(group)
@@ -284,13 +331,27 @@ class GradAccumulator:
                 f"weight: this micro-batch's weight was given as {micro.given!r} by an earlier backward(); "
                 f"got {weight!r} (pass the same weight or None, and call step() to end the micro-batch)"
             )
+        elif micro.last and self._sync.reduces_buckets:
+            raise RuntimeError(
+                "backward(): with model=, a window's last micro-batch takes one backward() call (its buckets are "
+                "reduced across ranks as they are folded): sum the losses and call backward() once"
+            )
         self._check_lr_unchanged()
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
+        if micro is None and self._sync.weight_in_loss:
+            # FSDP2 sums the ranks' gradients during backward: the weight must be in the loss already. Rounded to
+            # the loss's dtype, it is the weight counted in the window's sum too.
+            loss_dtype = loss.dtype if loss.is_floating_point() else torch.float32
+            w = w.to(loss_dtype).to(torch.float64)
+            loss = loss * w.to(loss_dtype)
+        elif micro is not None and self._sync.weight_in_loss:
+            loss = loss * micro.weight.to(loss.dtype)
         self._release_published()
         opened = micro is None
         if opened:
             micro = self._open_micro_batch(weight, w, bad)
+        self._sync.before_backward(micro.last)
         self._hooks.start()
         micro.folded_in_call = False
         try:
@@ -328,11 +389,18 @@ class GradAccumulator:
                 "weight: this micro-batch's weight was already given to backward(); call step() without it"
             )
         if micro is None:
+            if weight is not None and self._sync.weight_in_loss:
+                raise ValueError(
+                    "weight: with an FSDP2 model, FSDP sums the ranks' gradients during backward, so a weight "
+                    "given after it cannot be applied per rank; pass it up front: opt.backward(loss, weight=w)"
+                )
             w, bad = self._weight_tensor(weight)
         grads = self._held_grads()  # every check happens before anything changes
         self._check_lr_unchanged()
 
         last = self.micro_step + 1 == self.accumulation_steps
+        if last and self._global:
+            self._check_ready_to_reduce(micro, grads)
         if micro is not None:
             self._fold_held_buckets(grads)
             del grads
@@ -346,7 +414,10 @@ class GradAccumulator:
         self.micro_step += 1
         self.stepped = False
         if last:
-            self._finish(results)
+            if self._global:
+                self._finish_across_ranks(self._reduced_window_sums(self.micro_step))
+            else:
+                self._finish(results)
 
     def flush(self) -> bool:
         """Finish the open (partial) window now, e.g. at the end of an epoch; returns ``stepped``.
@@ -355,6 +426,8 @@ class GradAccumulator:
         nothing (and returns False) when no micro-batch is open. Raises if parameters hold gradients that no
         ``step()`` has folded, or a ``backward()`` has no ``step()`` yet, rather than drop or silently include
         them.
+
+        With ``model=`` it is a collective call: every rank calls it, after the same number of micro-batches.
         """
         self._check_param_set()
         if self._micro is not None:
@@ -370,6 +443,20 @@ class GradAccumulator:
                 f"flush(): {len(unfolded)} parameter(s) hold gradients not folded by step(), e.g. {unfolded[0]}; "
                 "call step() to include them or zero_grad() to drop them first"
             )
+        if self._global:
+            self._sync.check_window_end()
+            sums = self._reduced_window_sums(self.micro_step)
+            count, squares = sums[2:].tolist()
+            if count == 0:
+                self.stepped = False
+                return False
+            if squares * self._sync.world_size != count * count:
+                raise RuntimeError(
+                    f"flush(): the ranks are at different micro-steps (this rank: {self.micro_step}); every rank "
+                    "must run the same number of micro-batches before flush()"
+                )
+            self._finish_across_ranks(sums)
+            return self.stepped
         if self.micro_step == 0:
             self.stepped = False
             return False
@@ -414,21 +501,32 @@ class GradAccumulator:
         if first:
             self._start_window()
         weight_sum = w if first else self._weight_sum + w
-        fold_weight = w if self._inv_loss_scale is None else w * self._inv_loss_scale
-        scale = weight_sum.reciprocal() if last else None
+        fold_weight = self._fold_weight(w)
+        # Across ranks the window is scaled once its buckets are summed: at step(), not while folding.
+        scale = weight_sum.reciprocal() if last and not self._global else None
+        self._reducing = last and self._sync.reduces_buckets
         for group in self._groups:
             group.fold_weight = fold_weight.to(group.buffer.device, non_blocking=True)
             group.scale = None if scale is None else scale.to(group.buffer.device, non_blocking=True)
             group.bucket_touched = [False] * len(group.bucket_touched)
             group.bucket_results = [None] * len(group.bucket_results)
-        self._micro = _MicroBatch(given=given, weight_sum=weight_sum, last=last, bad_weight=bad)
+        self._micro = _MicroBatch(given=given, weight=w, weight_sum=weight_sum, last=last, bad_weight=bad)
         return self._micro
+
+    def _fold_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's fold weight: ``w`` (or, when the weight is in the loss, FSDP's divide factor), times
+        1 / loss scale."""
+        if self._sync.weight_in_loss:
+            w = torch.full_like(w, self._sync.fold_factor)
+        return w if self._inv_loss_scale is None else w * self._inv_loss_scale
 
     def on_bucket_ready(self, group_index: int, bucket_index: int) -> None:
         """Called by the backward hooks when every gradient of a bucket exists: fold it and release them."""
         group = self._groups[group_index]
         indices = group.buffer.bucket_ranges[bucket_index]
         grads = [group.params[i].grad for i in indices]
+        if self._sync.shards:
+            grads = [self._sync.local_grad(grad) for grad in grads]
         names = group.names[indices.start : indices.stop]
         self._fold_bucket(group, bucket_index, ops.check_grads(group.buffer.buckets[bucket_index], grads, names))
 
@@ -451,7 +549,10 @@ class GradAccumulator:
                 bucket, grads, group.fold_weight * group.scale, one, first=False, backend=group.backend, check=False
             )
         group.bucket_touched[bucket_index] = True
-        self._micro.folded_in_call = True
+        if self._micro is not None:
+            self._micro.folded_in_call = True
+        if self._reducing:
+            self._bucket_folded(self._groups.index(group), bucket_index)
         indices = group.buffer.bucket_ranges[bucket_index]
         for index, grad in zip(indices, grads, strict=True):
             if grad is not None:
@@ -485,11 +586,11 @@ class GradAccumulator:
             self._start_window()
         self._record_bad_weight(bad)
         weight_sum = w if first else self._weight_sum + w
-        fold_weight = w if self._inv_loss_scale is None else w * self._inv_loss_scale
+        fold_weight = self._fold_weight(w)
         results = []
         for group, group_grads in zip(self._groups, grads, strict=True):
             group_weight = fold_weight.to(group.buffer.device, non_blocking=True)
-            if last:
+            if last and not self._global:
                 scale = weight_sum.reciprocal().to(group.buffer.device, non_blocking=True)
                 results.append(
                     ops.fold_finish_(
@@ -502,7 +603,85 @@ class GradAccumulator:
             for param in group.params:
                 param.grad = None  # folded: release the memory now
         self._weight_sum = weight_sum
+        if last and self._sync.reduces_buckets:
+            self._launch_reductions(len(self._reduce_order))
         return results
+
+    # --- across ranks (model=) ---------------------------------------------------------------------------
+
+    def _bucket_folded(self, group_index: int, bucket_index: int) -> None:
+        """A bucket of a window's last micro-batch is complete: reduce it, and any ready buckets after it."""
+        self._ready.add((group_index, bucket_index))
+        launched = len(self._pending)
+        while launched < len(self._reduce_order) and self._reduce_order[launched] in self._ready:
+            launched += 1
+        self._launch_reductions(launched)
+
+    def _launch_reductions(self, upto: int) -> None:
+        """Start the reductions of ``_reduce_order[:upto]`` not started yet, in that order (the same on every
+        rank, so that the collectives match)."""
+        for key in self._reduce_order[len(self._pending) : upto]:
+            group_index, bucket_index = key
+            self._pending[key] = self._sync.start_bucket(self._groups[group_index].buffer.buckets[bucket_index])
+
+    def _drop_reductions(self) -> None:
+        """Wait for reductions in flight (they write into the buffers), then forget them."""
+        for (group_index, bucket_index), pending in self._pending.items():
+            self._sync.wait_bucket(self._groups[group_index].buffer.buckets[bucket_index], pending)
+        self._pending.clear()
+        self._ready.clear()
+        self._reducing = False
+
+    def _check_ready_to_reduce(self, micro: _MicroBatch | None, grads: list[list[torch.Tensor | None]]) -> None:
+        """Before the last micro-batch's step() changes anything: no gradient may arrive after its bucket's
+        reduction started, and FSDP must have reduced what it held back."""
+        if micro is not None and self._sync.reduces_buckets and any(g is not None for gs in grads for g in gs):
+            raise RuntimeError(
+                "step(): with model=, gradients from a plain backward() cannot join a window's last micro-batch "
+                "after opt.backward() reduced its buckets; sum the losses into one opt.backward() call"
+            )
+        self._sync.check_window_end()
+
+    def _reduced_window_sums(self, count: int) -> torch.Tensor:
+        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared) over the ranks."""
+        local = torch.zeros(4, dtype=torch.float64, device=self._home)
+        if count > 0:
+            local[0] = self._weight_sum
+            if self._bad_weight is not None:
+                local[1] = self._bad_weight.to(torch.float64)
+        local[2] = count
+        local[3] = count * count
+        return self._sync.reduce_window(local)
+
+    def _finish_across_ranks(self, sums: torch.Tensor) -> None:
+        """End a window whose micro-batches are folded: sum the buckets over the ranks (DDP), scale them by the
+        global weight sum and measure them, then finish as one process would."""
+        if self._sync.reduces_buckets:
+            self._launch_reductions(len(self._reduce_order))
+        self._weight_sum = sums[0]
+        self._bad_weight = sums[1] > 0
+        # Equal counts on every rank exactly when sum(c^2) * ranks == (sum c)^2.
+        self._rank_mismatch = sums[3] * self._sync.world_size != sums[2] * sums[2]
+        scale = self._weight_sum.reciprocal()
+        zero = torch.zeros((), dtype=torch.float64, device=self._home)
+        results = []
+        for group_index, group in enumerate(self._groups):
+            group_zero = zero.to(group.buffer.device)
+            group_scale = scale.to(group.buffer.device, non_blocking=True)
+            for bucket_index, bucket in enumerate(group.buffer.buckets):
+                pending = self._pending.get((group_index, bucket_index))
+                if pending is not None:
+                    self._sync.wait_bucket(bucket, pending)
+                results.append(
+                    ops.fold_finish_(
+                        bucket, [None] * len(bucket), group_zero, group_scale, first=False, backend=group.backend
+                    )
+                )
+            group.fold_weight = group.scale = None
+        self._pending.clear()
+        self._ready.clear()
+        self._reducing = False
+        self._finish(results)
 
     # --- window internals -------------------------------------------------------------------------------
 
@@ -556,6 +735,8 @@ class GradAccumulator:
             grads = [param.grad for param in group.params]
             if group.published is not None:
                 grads = [None if _is_published(group, i, grad) else grad for i, grad in enumerate(grads)]
+            if self._sync.shards:
+                grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
         return held
 
@@ -582,9 +763,7 @@ class GradAccumulator:
         if self.grad_scaler is not None:
             scale = self.grad_scaler._get_scale_async()
             if scale is None:
-                raise RuntimeError(
-                    "grad_scaler has no scale yet: call scaler.scale(loss).backward() before step()"
-                )
+                raise RuntimeError("grad_scaler has no scale yet: call scaler.scale(loss).backward() before step()")
             self._inv_loss_scale = scale.to(device=self._home, dtype=torch.float64).reciprocal()
         else:
             self._inv_loss_scale = None
@@ -612,14 +791,24 @@ class GradAccumulator:
         wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
         norm_dtype = torch.float64 if wide else torch.float32
         total = torch.stack([s.to(self._home, torch.float64, non_blocking=True) for s, _ in results]).sum()
+        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any()
+        total, found_inf = self._sync.reduce_norm(total, found_inf)  # FSDP2: every rank's shards
         # Weights summing to zero make every finished value nan, but an all-empty buffer has no value to show it.
         empty_window = self._weight_sum <= 0
         norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
-        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any() | empty_window
+        found_inf = found_inf | empty_window
         bad_weight = self._bad_weight if self._bad_weight is not None else torch.zeros_like(found_inf)
+        mismatch = self._rank_mismatch if self._rank_mismatch is not None else torch.zeros_like(found_inf)
+        self._rank_mismatch = None
         self.grad_norm = norm
 
-        nonfinite, bad = torch.stack([found_inf, bad_weight]).tolist()
+        nonfinite, bad, disagree = torch.stack([found_inf, bad_weight, mismatch]).tolist()
+        if disagree:
+            self._discard_window()
+            raise RuntimeError(
+                f"step(): the ranks ended a window at different micro-steps (this rank: {self.accumulation_steps}); "
+                "every rank must run the same number of micro-batches per window; the window was discarded"
+            )
         if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
             raise ValueError(
@@ -667,7 +856,7 @@ class GradAccumulator:
         published: list[torch.Tensor | None] = []
         for index, (param, had_grad) in enumerate(zip(group.params, group.had_grad, strict=True)):
             # A parameter with no gradient in the whole window keeps None, as plain PyTorch would.
-            view = buffer.view(index, source) if had_grad else None
+            view = self._sync.wrap_grad(param, buffer.view(index, source)) if had_grad else None
             param.grad = view
             published.append(view)
             if view is not None and param.requires_grad:
@@ -675,6 +864,7 @@ class GradAccumulator:
         group.published = published
 
     def _discard_window(self) -> None:
+        self._drop_reductions()
         self.zero_grad()
         self._micro = None
         for group in self._groups:
@@ -717,6 +907,7 @@ class GradAccumulator:
             "bad_weight": None if self._bad_weight is None else self._bad_weight.clone(),
             "inv_loss_scale": None if self._inv_loss_scale is None else self._inv_loss_scale.clone(),
             "window_lrs": None if self._window_lrs is None else list(self._window_lrs),
+            "world_size": self._sync.world_size,
             "buffers": [],
         }
         for group in self._groups:
@@ -798,6 +989,12 @@ class GradAccumulator:
                     raise field_error(name, f"a 0-d {dtype} tensor (the window is open at micro_step {micro_step})")
             elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype:
                 raise field_error(name, f"None or a 0-d {dtype} tensor")
+        world = window.get("world_size", 1)
+        if open_window and world != self._sync.world_size:
+            raise field_error(
+                "world_size",
+                f"{self._sync.world_size} (the open window holds this rank's part of a window of {world} ranks)",
+            )
         lrs = window.get("window_lrs")
         if lrs is not None and (not isinstance(lrs, list) or len(lrs) != len(self.optimizer.param_groups)):
             raise field_error("window_lrs", f"None or a list of {len(self.optimizer.param_groups)} learning rates")
@@ -837,6 +1034,7 @@ class _MicroBatch:
     """The open micro-batch of the backward() loop."""
 
     given: float | torch.Tensor | None  # the weight as the caller gave it (to compare later backward calls)
+    weight: torch.Tensor  # the weight as a float64 0-d tensor (home device)
     weight_sum: torch.Tensor  # the window's weight sum including this micro-batch (float64, home device)
     last: bool  # the window's last micro-batch: buckets are finished as they are folded
     bad_weight: torch.Tensor | None = None  # device flag for a tensor weight checked on the device
@@ -856,6 +1054,19 @@ def _same_weight(weight: Any, given: Any) -> bool:
 
 def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:
     return grad is not None and group.published is not None and grad is group.published[index]
+
+
+def _release_published_before_forward(owner: GradAccumulator):
+    """A forward pre-hook for ``model``: drop the published gradients before a new forward (FSDP2 writes
+    gradients without the tensor hooks that release them otherwise)."""
+    owner_ref = weakref.ref(owner)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        accumulator = owner_ref()
+        if accumulator is not None and accumulator._published_hooks:
+            accumulator._release_published()
+
+    return hook
 
 
 def _release_before_accumulation(param: torch.Tensor, view: torch.Tensor):

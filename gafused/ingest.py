@@ -29,18 +29,24 @@ class BucketHooks:
         buffers: the accumulator's buffers; bucket ``b`` of buffer ``g`` is ``buffers[g].bucket_ranges[b]``.
         owner: the object whose ``on_bucket_ready(g, b)`` is called when a bucket's last gradient lands;
             held weakly.
+        params: per buffer, the tensors whose gradients land there (default: the buffer's ``params``; an FSDP2
+            buffer lays out local shards while the gradients land on the sharded parameters).
     """
 
-    def __init__(self, buffers: list[FlatGradBuffer], owner: object) -> None:
+    def __init__(
+        self, buffers: list[FlatGradBuffer], owner: object, params: list[list[torch.Tensor]] | None = None
+    ) -> None:
         owner_ref = weakref.ref(owner)
         self.active = False
         self._expected: list[list[int]] = []
         self._remaining: list[list[int]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        for group_index, buffer in enumerate(buffers):
+        if params is None:
+            params = [buffer.params for buffer in buffers]
+        for group_index, (buffer, targets) in enumerate(zip(buffers, params, strict=True)):
             expected = []
             for bucket_index, indices in enumerate(buffer.bucket_ranges):
-                hooked = [buffer.params[i] for i in indices if buffer.params[i].requires_grad]
+                hooked = [targets[i] for i in indices if targets[i].requires_grad]
                 expected.append(len(hooked))
                 for param in hooked:
                     hook = self._make_hook(owner_ref, group_index, bucket_index)

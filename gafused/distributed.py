@@ -1,0 +1,267 @@
+"""Across ranks: GradAccumulator owns gradient synchronization for a DDP or FSDP2 model (``model=``).
+
+The finished gradient of a window is ``sum over ranks and micro-batches of w * g``, divided by the GLOBAL sum
+of weights (docs/design.md section 4b). How the sum over ranks is made depends on the wrapper:
+
+- DDP (``DistributedDataParallel``): DDP's own all-reduce is turned off for good (as under ``no_sync()``), so
+  the micro-batches of a window send nothing. On the window's last micro-batch each bucket of the flat buffer
+  is all-reduced once, in bucket order, as soon as it is folded (during backward when the weight came up
+  front). Every rank then holds the same summed buffer, scales it by 1 / global weight sum and measures it:
+  the norm is global without another collective, and the replicas stay bitwise identical.
+- FSDP2 (``fully_shard``): FSDP reduce-scatters each micro-batch's gradients itself (or, after the user's
+  ``set_requires_gradient_sync(False)``, once at the window's last micro-batch); the buffers hold the local
+  shards. Since FSDP sums the ranks' gradients before gafused sees them, a micro-batch's weight multiplies
+  its loss (``backward(loss, weight=w)``), and the reduced shard is folded with FSDP's divide factor. The norm
+  is the all-reduced sum of the shards' squares.
+
+Either way one small all-reduce per window carries the weight sum (float64, exact for any token count), the
+bad-weight flag and the micro-step count (to catch ranks that disagree on where the window is).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gafused.buffer import FlatGradBuffer
+
+__all__ = ["Sync", "DDPSync", "FSDPSync", "for_model", "warn_without_model"]
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def warn_without_model() -> None:
+    """Warn when torch.distributed runs with several ranks and the accumulator was given no ``model=``."""
+    world = _world_size()
+    if world > 1:
+        warnings.warn(
+            f"torch.distributed is initialized with {world} ranks but GradAccumulator got no model=: gradients are "
+            "accumulated per rank and nothing is reduced across ranks by gafused. Pass model=<the DDP or "
+            "fully_shard module> to accumulate exactly across ranks (global token weights, global norm).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+class Sync:
+    """What differs across ranks: the default (single process) does nothing.
+
+    Attributes:
+        weight_in_loss: the micro-batch's weight multiplies the loss (the wrapper sums ranks during backward).
+        fold_factor: the fold weight of a reduced gradient (undoes the wrapper's own division by world size).
+        reduces_buckets: buckets are reduced by gafused on a window's last micro-batch.
+        shards: parameters are sharded DTensors; the buffers hold their local shards.
+    """
+
+    weight_in_loss = False
+    fold_factor = 1.0
+    reduces_buckets = False
+    shards = False
+    group: Any = None
+    world_size = 1
+    name = "local"
+
+    def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the buffer lays out for ``param`` (FSDP2: the local shard)."""
+        return param
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return grad
+
+    def wrap_grad(self, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (a piece of the buffer) as ``param.grad``."""
+        return view
+
+    def reduce_window(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small float64 vector over the ranks (blocking)."""
+        return values
+
+    def start_bucket(self, bucket: FlatGradBuffer) -> Any:
+        return None
+
+    def wait_bucket(self, bucket: FlatGradBuffer, pending: Any) -> None:
+        return None
+
+    def reduce_norm(self, sum_sq: torch.Tensor, nonfinite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sum_sq, nonfinite
+
+    def before_backward(self, last: bool) -> None:
+        return None
+
+    def check_window_end(self) -> None:
+        """Raise if gradients of the window are still held back by the wrapper at its last micro-batch."""
+        return None
+
+
+class DDPSync(Sync):
+    """DDP: gafused all-reduces each bucket once per window, in bucket order, on the last micro-batch."""
+
+    reduces_buckets = True
+    name = "ddp"
+
+    def __init__(self, model: torch.nn.Module, reduce_dtype: torch.dtype | None) -> None:
+        self.group = model.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self.reduce_dtype = reduce_dtype
+        # Off for good: the window's micro-batches send nothing; DDP's no_sync() restores this value on exit.
+        model.require_backward_grad_sync = False
+
+    def reduce_window(self, values: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(values, group=self.group)
+        return values
+
+    def start_bucket(self, bucket: FlatGradBuffer) -> Any:
+        data = bucket.data
+        if self.reduce_dtype is not None and self.reduce_dtype != data.dtype:
+            wire = data.to(self.reduce_dtype)
+        else:
+            wire = data
+        return wire, dist.all_reduce(wire, group=self.group, async_op=True)
+
+    def wait_bucket(self, bucket: FlatGradBuffer, pending: Any) -> None:
+        wire, work = pending
+        work.wait()
+        if wire is not bucket.data:
+            bucket.data.copy_(wire)
+
+
+class FSDPSync(Sync):
+    """FSDP2: FSDP reduce-scatters the gradients; the buffers hold the local shards."""
+
+    weight_in_loss = True
+    shards = True
+    name = "fsdp2"
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.Tensor]) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        self._model = model
+        meshes = set()
+        for index, param in enumerate(params):
+            if not isinstance(param, DTensor):
+                raise ValueError(
+                    f"model: parameter {index} of the optimizer (shape {tuple(param.shape)}) is not sharded by "
+                    "fully_shard (not a DTensor)"
+                )
+            if param.device_mesh.ndim != 1 or len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
+                raise NotImplementedError(
+                    f"model: parameter {index} has placements {param.placements} on a {param.device_mesh.ndim}-D "
+                    "mesh; gafused supports fully_shard over a 1-D mesh (no HSDP or tensor parallelism yet)"
+                )
+            meshes.add(param.device_mesh)
+        if len(meshes) != 1:
+            raise NotImplementedError("model: the parameters live on more than one device mesh")
+        self.mesh = meshes.pop()
+        self.group = self.mesh.get_group()
+        self.world_size = dist.get_world_size(self.group)
+        self.fold_factor = self._divide_factor(model)
+        self._dtensor = DTensor
+
+    def _divide_factor(self, model: torch.nn.Module) -> float:
+        """What FSDP divides the reduce-scattered sum by: its gradient divide factor, else the world size."""
+        from torch.distributed.fsdp import FSDPModule
+
+        factors = set()
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            if param_group is None:
+                continue
+            if not hasattr(param_group, "gradient_divide_factor"):
+                raise NotImplementedError(
+                    f"model: this torch ({torch.__version__}) does not expose FSDP2's gradient divide factor"
+                )
+            factors.add(param_group.gradient_divide_factor)
+        if len(factors) > 1:
+            raise ValueError(f"model: the fully_shard modules use different gradient divide factors {factors}")
+        factor = factors.pop() if factors else None
+        return float(self.world_size if factor is None else factor)
+
+    def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        return param.to_local()
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None or not isinstance(grad, self._dtensor):
+            return grad  # a plain tensor is checked (and refused) by ops.check_grads like any bad gradient
+        return grad.to_local()
+
+    def wrap_grad(self, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        return self._dtensor.from_local(
+            view, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+    def reduce_window(self, values: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(values, group=self.group)
+        return values
+
+    def reduce_norm(self, sum_sq: torch.Tensor, nonfinite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.stack([sum_sq.to(torch.float64), nonfinite.to(torch.float64)])
+        dist.all_reduce(both, group=self.group)
+        return both[0], both[1] > 0
+
+    def before_backward(self, last: bool) -> None:
+        # The window's last micro-batch must reach the shards, whatever the user set for the earlier ones.
+        if last:
+            self._model.set_requires_gradient_sync(True)
+
+    def check_window_end(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self._model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(param_group, "fsdp_params", ()):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
+                    unsharded is not None and unsharded.grad is not None
+                ):
+                    raise RuntimeError(
+                        "step(): FSDP still holds unreduced gradients at the window's last micro-batch (after "
+                        "set_requires_gradient_sync(False)); call model.set_requires_gradient_sync(True) before "
+                        "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does"
+                    )
+
+
+def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> Sync:
+    """The synchronization for ``model``; checks that every optimizer parameter belongs to it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed support
+        FSDPModule = FullyShardedDataParallel = ()  # noqa: N806
+
+    if FullyShardedDataParallel and isinstance(model, FullyShardedDataParallel):
+        raise TypeError(
+            "model: FullyShardedDataParallel (FSDP1) is not supported: its gradient norm is per shard and its "
+            "flat parameters hide the layout; shard the model with torch.distributed.fsdp.fully_shard (FSDP2)"
+        )
+    is_ddp = isinstance(model, DistributedDataParallel)
+    is_fsdp = bool(FSDPModule) and isinstance(model, FSDPModule)
+    if not (is_ddp or is_fsdp):
+        raise TypeError(
+            "model must be a DistributedDataParallel module or a module sharded with "
+            f"torch.distributed.fsdp.fully_shard, got {type(model).__name__}"
+        )
+    owned = {id(param) for param in model.parameters()}
+    for index, param in enumerate(params):
+        if id(param) not in owned:
+            raise ValueError(
+                f"model: parameter {index} of the optimizer (shape {tuple(param.shape)}) is not a parameter of "
+                "model; gafused would accumulate it without reducing it across ranks"
+            )
+    if is_fsdp:
+        if reduce_dtype is not None:
+            raise ValueError(
+                "reduce_dtype applies to DDP models; FSDP2 reduces in the dtype of its own "
+                "MixedPrecisionPolicy(reduce_dtype=...)"
+            )
+        return FSDPSync(model, params)
+    return DDPSync(model, reduce_dtype)

@@ -1,0 +1,299 @@
+"""Two gloo ranks on CPU against one float64 process that trains on every rank's data (tests/test_distributed.py).
+
+    python tests/distributed_cases.py OUT.pt      # runs every case on 2 ranks, saves rank 0's results to OUT.pt
+
+Each case trains the same small model for a few windows with unequal token counts across ranks and
+micro-batches, a partial last window (``flush()``) and clipping, through one recipe (DDP or FSDP2, either
+loop, with or without the user's own ``no_sync()``), and reports the final parameters, each window's
+``grad_norm`` and what went over the wire. ``truth()`` computes the same training in float64 on one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+WORLD = 2
+N = 3  # micro-batches per window
+WINDOWS = (3, 3, 2)  # micro-batches run in each window; the last is partial and ends with flush()
+LR = 0.1
+MAX_NORM = 0.5
+BUCKET_BYTES = 256  # several buckets on a 6-parameter model
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).to(dtype)
+
+
+def tokens(rank: int, window: int, micro: int, weighted: bool = True) -> int:
+    """Tokens in a micro-batch: unequal across ranks and micro-batches (equal when not ``weighted``)."""
+    return 1 + (7 * rank + 3 * window + 5 * micro) % 9 if weighted else 4
+
+
+def micro_batch(
+    rank: int, window: int, micro: int, weighted: bool = True, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + 100 * window + micro)
+    n = tokens(rank, window, micro, weighted)
+    x = torch.randn(n, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(n, 3, generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).sum(-1)
+
+
+def truth(weighted: bool = True) -> tuple[list[torch.Tensor], list[float], list[torch.Tensor]]:
+    """Float64, one process: each window's step on the token-weighted big batch of every rank's micro-batches
+    (with ``weighted=False``, the mean of the micro-batch means). Returns final params, norms, initial params."""
+    model = make_model(torch.float64)
+    initial = [p.detach().clone() for p in model.parameters()]
+    norms = []
+    for window, count in enumerate(WINDOWS):
+        model.zero_grad()
+        total = torch.zeros((), dtype=torch.float64)
+        weight_sum = 0
+        for rank in range(WORLD):
+            for micro in range(count):
+                x, y = micro_batch(rank, window, micro, weighted, torch.float64)
+                per_token = token_losses(model, x, y)
+                total = total + (per_token.sum() if weighted else per_token.mean())
+                weight_sum += x.shape[0] if weighted else 1
+        (total / weight_sum).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(float(norm))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return [p.detach().clone() for p in model.parameters()], norms, initial
+
+
+# --- the ranks ------------------------------------------------------------------------------------------------
+
+
+class _Wire:
+    """Counts the collectives gafused calls (torch.distributed.all_reduce) and their bytes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.bytes = 0
+        self._all_reduce = None
+
+    def __enter__(self) -> _Wire:
+        import torch.distributed as dist
+
+        self._all_reduce = dist.all_reduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            return self._all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce = self._all_reduce
+
+
+DDP_OWN_ALL_REDUCES = [0]  # bucket all-reduces DDP itself ran (its comm hook counts them)
+
+
+def _counting_allreduce_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations
+    import torch.distributed as dist
+
+    DDP_OWN_ALL_REDUCES[0] += 1
+    tensor = bucket.buffer()
+    return dist.all_reduce(tensor.div_(WORLD), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _wrap(kind: str, rank: int) -> torch.nn.Module:
+    model = make_model()
+    if kind == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, _counting_allreduce_hook)
+        return ddp
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+
+
+def run_case(
+    rank: int,
+    kind: str,
+    loop: str,
+    no_sync: bool = False,
+    weighted: bool = True,
+    reduce_dtype: torch.dtype | None = None,
+    checkpoint_at: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
+
+    ``checkpoint_at=(window, micro)``: after that micro-batch's step(), every rank saves model, optimizer and
+    accumulator state, builds everything anew from it and goes on.
+    """
+    import gafused
+
+    def build(state: dict[str, Any] | None = None) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
+        model = _wrap(kind, rank)
+        inner = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = gafused.GradAccumulator(
+            inner, N, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES, model=model, reduce_dtype=reduce_dtype
+        )
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        return model, opt
+
+    model, opt = build()
+    DDP_OWN_ALL_REDUCES[0] = 0
+    norms, wire_per_window, wire_before_last = [], [], []
+    for window, count in enumerate(WINDOWS):
+        with _Wire() as wire:
+            for micro in range(count):
+                last = micro == count - 1  # the last of a partial window too: FSDP must sync it
+                if last and count == N:
+                    wire_before_last.append(wire.calls)
+                x, y = micro_batch(rank, window, micro, weighted)
+                weight = x.shape[0] if weighted else None
+                quiet = (
+                    (model.no_sync() if kind == "ddp" else _fsdp_no_sync(model))
+                    if no_sync and not last
+                    else contextlib.nullcontext()
+                )
+                with quiet:
+                    loss = token_losses(model, x, y).mean()
+                    if loop == "backward":
+                        opt.backward(loss, weight=weight)
+                    else:
+                        loss.backward()
+                if loop == "backward":
+                    opt.step()
+                else:
+                    opt.step(weight=weight)
+                opt.zero_grad()
+                if checkpoint_at == (window, micro):
+                    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+                    model, opt = build(state)
+            if count < N:
+                wire_before_last.append(wire.calls)
+                assert opt.flush()
+        assert opt.stepped
+        norms.append(opt.grad_norm.item())
+        wire_per_window.append((wire.calls, wire.bytes))
+    return {
+        "params": [_full(p) for p in model.parameters()],
+        "norms": norms,
+        "wire": wire_per_window,
+        "wire_before_last": wire_before_last,
+        "ddp_own_all_reduces": DDP_OWN_ALL_REDUCES[0],
+        "buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers),
+        "bucket_bytes": sum(buffer.numel * buffer.data.element_size() for buffer in opt.buffers),
+    }
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: torch.nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "ddp-backward": {"kind": "ddp", "loop": "backward"},
+    "ddp-backward-no_sync": {"kind": "ddp", "loop": "backward", "no_sync": True},
+    "ddp-step": {"kind": "ddp", "loop": "step"},
+    "ddp-step-no_sync": {"kind": "ddp", "loop": "step", "no_sync": True},
+    "ddp-backward-bf16": {"kind": "ddp", "loop": "backward", "reduce_dtype": torch.bfloat16},
+    "ddp-backward-checkpoint": {"kind": "ddp", "loop": "backward", "checkpoint_at": (1, 0)},
+    "ddp-step-checkpoint": {"kind": "ddp", "loop": "step", "checkpoint_at": (1, 1)},
+    "fsdp-backward": {"kind": "fsdp", "loop": "backward"},
+    "fsdp-backward-no_sync": {"kind": "fsdp", "loop": "backward", "no_sync": True},
+    "fsdp-step-unweighted": {"kind": "fsdp", "loop": "step", "weighted": False},
+    "fsdp-step-unweighted-no_sync": {"kind": "fsdp", "loop": "step", "weighted": False, "no_sync": True},
+}
+
+
+def _misuse(rank: int) -> dict[str, str]:
+    """What the accumulator says to recipes it refuses, as (case -> message or 'no error')."""
+    import gafused
+
+    said: dict[str, str] = {}
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=LR), N)
+    said["no model"] = " | ".join(str(w.message) for w in caught)
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    stray = torch.nn.Parameter(torch.zeros(3))
+    try:
+        gafused.GradAccumulator(torch.optim.SGD([*ddp.parameters(), stray], lr=LR), N, model=ddp)
+        said["stray param"] = "no error"
+    except ValueError as error:
+        said["stray param"] = str(error)
+    fsdp = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), N, model=fsdp)
+    x, y = micro_batch(rank, 0, 0)
+    token_losses(fsdp, x, y).mean().backward()
+    try:
+        opt.step(weight=x.shape[0])
+        said["fsdp step weight"] = "no error"
+    except ValueError as error:
+        said["fsdp step weight"] = str(error)
+    said["fsdp step weight micro_step"] = str(opt.micro_step)
+    opt.zero_grad()
+    return said
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*FSDP.*")
+    results: dict[str, Any] = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = run_case(rank, **case)
+        except Exception as error:  # reported by the test, named
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+    results["misuse"] = _misuse(rank)
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(_free_port(), sys.argv[1]), nprocs=WORLD)

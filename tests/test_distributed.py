@@ -1,0 +1,183 @@
+"""Across ranks: 2 gloo processes on CPU against a float64 single process that trains on every rank's data.
+
+The cases run once, in a subprocess (tests/distributed_cases.py: model, data, recipes); each test reads the
+results of both ranks. Data: token counts that differ across ranks and micro-batches, three windows of which
+the last is partial (flush), clipping active, SGD so that any scale error shows in the parameters.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distributed_cases as cases
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+# Parameter error |p - p_truth| / |p_truth - p0| of fp32 training against the float64 truth: float32 rounding
+# of forward, backward and the sums (plain fp32 PyTorch on the same big batch is measured beside it).
+FP32_ERROR = 2e-5
+# A bfloat16 all-reduce rounds each summed gradient to 8 bits of mantissa (relative 2^-8).
+BF16_ERROR = 2.0**-8
+
+EXACT_CASES = [name for name, case in cases.CASES.items() if case.get("reduce_dtype") is None]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("distributed") / "results.pt"
+    script = Path(cases.__file__)
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600, cwd=script.parent
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def _error(params: list[torch.Tensor], truth: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
+    return max(float((p.double() - t).norm() / (t - i).norm()) for p, t, i in zip(params, truth, initial, strict=True))
+
+
+@pytest.fixture(scope="module")
+def truths() -> dict[bool, tuple]:
+    return {weighted: cases.truth(weighted) for weighted in (True, False)}
+
+
+def _result(ranks: list[dict], name: str, rank: int = 0) -> dict:
+    result = ranks[rank][name]
+    assert "error" not in result, f"{name} on rank {rank}: {result['error']}"
+    return result
+
+
+def test_plain_fp32_baseline_is_within_the_bound(truths: dict[bool, tuple]) -> None:
+    """The bound is fp32 rounding: plain PyTorch fp32 on the same big batch lands inside it too."""
+    truth_params, _, initial = truths[True]
+    model = cases.make_model()
+    for window, count in enumerate(cases.WINDOWS):
+        model.zero_grad()
+        total, weight_sum = 0.0, 0
+        for rank in range(cases.WORLD):
+            for micro in range(count):
+                x, y = cases.micro_batch(rank, window, micro)
+                total = total + cases.token_losses(model, x, y).sum()
+                weight_sum += x.shape[0]
+        (total / weight_sum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cases.MAX_NORM)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= cases.LR * p.grad
+    baseline = _error([p.detach() for p in model.parameters()], truth_params, initial)
+    assert 0 < baseline < FP32_ERROR
+
+
+@pytest.mark.parametrize("name", EXACT_CASES)
+def test_matches_float64_big_batch(ranks: list[dict], truths: dict[bool, tuple], name: str) -> None:
+    weighted = cases.CASES[name].get("weighted", True)
+    truth_params, truth_norms, initial = truths[weighted]
+    for rank in range(cases.WORLD):
+        result = _result(ranks, name, rank)
+        assert _error(result["params"], truth_params, initial) < FP32_ERROR
+        for norm, truth_norm in zip(result["norms"], truth_norms, strict=True):
+            assert norm == pytest.approx(truth_norm, rel=1e-5)
+    # The clip threshold is below every window's norm: clipping was exercised.
+    assert all(norm > cases.MAX_NORM for norm in truth_norms)
+
+
+@pytest.mark.parametrize("name", list(cases.CASES))
+def test_ranks_agree_bitwise(ranks: list[dict], name: str) -> None:
+    """DDP replicas stay bitwise identical; every rank reports the same global grad_norm (FSDP2: same full params)."""
+    first, second = _result(ranks, name, 0), _result(ranks, name, 1)
+    assert first["norms"] == second["norms"]
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bf16_reduction_is_within_bf16_rounding(ranks: list[dict], truths: dict[bool, tuple]) -> None:
+    truth_params, truth_norms, initial = truths[True]
+    result = _result(ranks, "ddp-backward-bf16")
+    error = _error(result["params"], truth_params, initial)
+    assert FP32_ERROR < error < BF16_ERROR  # rounded like bf16, and no worse
+    for norm, truth_norm in zip(result["norms"], truth_norms, strict=True):
+        assert norm == pytest.approx(truth_norm, rel=BF16_ERROR)
+
+
+@pytest.mark.parametrize("loop", ["backward", "step"])
+def test_checkpoint_mid_window_resumes_bitwise(ranks: list[dict], loop: str) -> None:
+    resumed, straight = _result(ranks, f"ddp-{loop}-checkpoint"), _result(ranks, f"ddp-{loop}")
+    assert resumed["norms"] == straight["norms"]
+    for a, b in zip(resumed["params"], straight["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", [name for name in cases.CASES if name.startswith("ddp")])
+def test_ddp_one_collective_per_bucket_per_window(ranks: list[dict], name: str) -> None:
+    """Nothing goes over the wire before a window's last micro-batch; then each bucket once, plus the window's
+    weight sum (32 bytes); DDP's own bucket all-reduce never runs."""
+    result = _result(ranks, name)
+    assert result["buckets"] > 1
+    assert result["wire_before_last"] == [0] * len(cases.WINDOWS)
+    element = 2 if cases.CASES[name].get("reduce_dtype") == torch.bfloat16 else 4
+    wire_bytes = result["bucket_bytes"] // 4 * element + 32
+    assert result["wire"] == [(result["buckets"] + 1, wire_bytes)] * len(cases.WINDOWS)
+    assert result["ddp_own_all_reduces"] == 0
+
+
+@pytest.mark.parametrize("name", [name for name in cases.CASES if name.startswith("fsdp")])
+def test_fsdp_sends_only_the_window_sums_and_the_norm(ranks: list[dict], name: str) -> None:
+    """FSDP2 reduce-scatters the gradients itself; gafused adds two small all-reduces per window."""
+    result = _result(ranks, name)
+    assert result["wire_before_last"] == [0] * len(cases.WINDOWS)
+    assert result["wire"] == [(2, 32 + 16)] * len(cases.WINDOWS)
+
+
+def test_misuse_is_never_silent(ranks: list[dict]) -> None:
+    for rank in range(cases.WORLD):
+        said = ranks[rank]["misuse"]
+        assert "model=" in said["no model"] and "2 ranks" in said["no model"]
+        assert "parameter 6" in said["stray param"] and "not a parameter of model" in said["stray param"]
+        assert "opt.backward(loss, weight=w)" in said["fsdp step weight"]
+        assert said["fsdp step weight micro_step"] == "0"  # the refused step changed nothing
+
+
+def test_no_warning_without_distributed() -> None:
+    import warnings
+
+    import gafused
+
+    model = cases.make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+
+
+def test_model_must_be_ddp_or_fsdp2() -> None:
+    import gafused
+
+    model = cases.make_model()
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
+
+
+def test_reduce_dtype_needs_a_model() -> None:
+    import gafused
+
+    model = cases.make_model()
+    with pytest.raises(ValueError, match="model="):
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_dtype=torch.int8)
+
+
+def test_token_counts_differ_across_ranks_and_micro_batches() -> None:
+    """Weights matter in these data: a per-rank or per-micro-batch mean would be wrong."""
+    for window, count in enumerate(cases.WINDOWS):
+        per_rank = [[cases.tokens(rank, window, micro) for micro in range(count)] for rank in range(cases.WORLD)]
+        assert per_rank[0] != per_rank[1]
+        assert all(len(set(counts)) == count for counts in per_rank)
