@@ -1,6 +1,7 @@
 """Two gloo ranks on CPU against one float64 process that trains on every rank's data (tests/test_distributed.py).
 
-    python tests/distributed_cases.py OUT.pt      # runs every case on 2 ranks, saves rank 0's results to OUT.pt
+    python tests/distributed_cases.py OUT.pt      # runs every case on 2 ranks, saves both ranks' results to OUT.pt
+    python tests/distributed_cases.py --report    # the same, printed as a table against the float64 truth
 
 Each case trains the same small model for a few windows with unequal token counts across ranks and
 micro-batches, a partial last window (``flush()``) and clipping, through one recipe (DDP or FSDP2, either
@@ -119,10 +120,10 @@ def _counting_allreduce_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP check
     return dist.all_reduce(tensor.div_(WORLD), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _wrap(kind: str, rank: int) -> torch.nn.Module:
+def _wrap(kind: str, rank: int, bucket_view: bool = False) -> torch.nn.Module:
     model = make_model()
     if kind == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
         ddp.register_comm_hook(None, _counting_allreduce_hook)
         return ddp
     from torch.distributed.fsdp import fully_shard
@@ -145,6 +146,8 @@ def run_case(
     weighted: bool = True,
     reduce_dtype: torch.dtype | None = None,
     checkpoint_at: tuple[int, int] | None = None,
+    bucket_view: bool = False,
+    pass_model: bool = True,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
@@ -154,10 +157,15 @@ def run_case(
     import gafused
 
     def build(state: dict[str, Any] | None = None) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
-        model = _wrap(kind, rank)
+        model = _wrap(kind, rank, bucket_view)
         inner = torch.optim.SGD(model.parameters(), lr=LR)
         opt = gafused.GradAccumulator(
-            inner, N, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES, model=model, reduce_dtype=reduce_dtype
+            inner,
+            N,
+            max_grad_norm=MAX_NORM,
+            bucket_bytes=BUCKET_BYTES,
+            model=model if pass_model else None,
+            reduce_dtype=reduce_dtype,
         )
         if state is not None:
             model.load_state_dict(state["model"])
@@ -225,9 +233,14 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp-backward-no_sync": {"kind": "ddp", "loop": "backward", "no_sync": True},
     "ddp-step": {"kind": "ddp", "loop": "step"},
     "ddp-step-no_sync": {"kind": "ddp", "loop": "step", "no_sync": True},
+    "ddp-backward-bucket_view": {"kind": "ddp", "loop": "backward", "bucket_view": True},
+    "ddp-step-bucket_view": {"kind": "ddp", "loop": "step", "bucket_view": True},
     "ddp-backward-bf16": {"kind": "ddp", "loop": "backward", "reduce_dtype": torch.bfloat16},
     "ddp-backward-checkpoint": {"kind": "ddp", "loop": "backward", "checkpoint_at": (1, 0)},
     "ddp-step-checkpoint": {"kind": "ddp", "loop": "step", "checkpoint_at": (1, 1)},
+    # Not exact, on purpose: what the same data give without model= (the tests check they are far off).
+    "ddp-backward-without-model": {"kind": "ddp", "loop": "backward", "pass_model": False},
+    "ddp-backward-no_sync-without-model": {"kind": "ddp", "loop": "backward", "no_sync": True, "pass_model": False},
     "fsdp-backward": {"kind": "fsdp", "loop": "backward"},
     "fsdp-backward-no_sync": {"kind": "fsdp", "loop": "backward", "no_sync": True},
     "fsdp-step-unweighted": {"kind": "fsdp", "loop": "step", "weighted": False},
@@ -293,7 +306,42 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def report(results: list[dict[str, Any]]) -> str:
+    """A markdown table: each case's error against the float64 truth, norm error, rank agreement, wire."""
+    lines = [
+        "| recipe | param error vs float64 truth | grad_norm error | ranks bitwise equal | all-reduces "
+        "(bytes), first window |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    truths = {weighted: truth(weighted) for weighted in (True, False)}
+    for name, case in CASES.items():
+        first, second = results[0][name], results[1][name]
+        if "error" in first:
+            lines.append(f"| {name} | {first['error']} | | | |")
+            continue
+        truth_params, truth_norms, initial = truths[case.get("weighted", True)]
+        error = max(
+            float((p.double() - t).norm() / (t - i).norm())
+            for p, t, i in zip(first["params"], truth_params, initial, strict=True)
+        )
+        norm_error = max(abs(a - b) / b for a, b in zip(first["norms"], truth_norms, strict=True))
+        equal = first["norms"] == second["norms"] and all(
+            torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True)
+        )
+        calls, nbytes = first["wire"][0]
+        lines.append(f"| {name} | {error:.1e} | {norm_error:.1e} | {'yes' if equal else 'NO'} | {calls} ({nbytes}) |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(_free_port(), sys.argv[1]), nprocs=WORLD)
+    if sys.argv[1:] == ["--report"]:
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "results.pt")
+            mp.spawn(_rank, args=(_free_port(), out), nprocs=WORLD)
+            print(report(torch.load(out, weights_only=False)))
+    else:
+        mp.spawn(_rank, args=(_free_port(), sys.argv[1]), nprocs=WORLD)

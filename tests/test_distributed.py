@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import gafused
 
 import distributed_cases as cases
 
@@ -27,7 +30,10 @@ FP32_ERROR = 2e-5
 # A bfloat16 all-reduce rounds each summed gradient to 8 bits of mantissa (relative 2^-8).
 BF16_ERROR = 2.0**-8
 
-EXACT_CASES = [name for name, case in cases.CASES.items() if case.get("reduce_dtype") is None]
+EXACT_CASES = [
+    name for name, case in cases.CASES.items() if case.get("reduce_dtype") is None and case.get("pass_model", True)
+]
+WITHOUT_MODEL = [name for name, case in cases.CASES.items() if not case.get("pass_model", True)]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +96,15 @@ def test_matches_float64_big_batch(ranks: list[dict], truths: dict[bool, tuple],
     assert all(norm > cases.MAX_NORM for norm in truth_norms)
 
 
-@pytest.mark.parametrize("name", list(cases.CASES))
+@pytest.mark.parametrize("name", WITHOUT_MODEL)
+def test_the_data_expose_a_missing_model(ranks: list[dict], truths: dict[bool, tuple], name: str) -> None:
+    """Without model= (DDP averaging per micro-batch, or no_sync folding unreduced gradients, and per-rank weight
+    sums) the same data land far from the truth: the exact cases' agreement is not an accident of the data."""
+    truth_params, _, initial = truths[True]
+    assert _error(_result(ranks, name)["params"], truth_params, initial) > 0.05
+
+
+@pytest.mark.parametrize("name", [name for name in cases.CASES if name not in WITHOUT_MODEL])
 def test_ranks_agree_bitwise(ranks: list[dict], name: str) -> None:
     """DDP replicas stay bitwise identical; every rank reports the same global grad_norm (FSDP2: same full params)."""
     first, second = _result(ranks, name, 0), _result(ranks, name, 1)
@@ -116,7 +130,7 @@ def test_checkpoint_mid_window_resumes_bitwise(ranks: list[dict], loop: str) -> 
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", [name for name in cases.CASES if name.startswith("ddp")])
+@pytest.mark.parametrize("name", [name for name in EXACT_CASES if name.startswith("ddp")] + ["ddp-backward-bf16"])
 def test_ddp_one_collective_per_bucket_per_window(ranks: list[dict], name: str) -> None:
     """Nothing goes over the wire before a window's last micro-batch; then each bucket once, plus the window's
     weight sum (32 bytes); DDP's own bucket all-reduce never runs."""
@@ -147,10 +161,6 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
 
 
 def test_no_warning_without_distributed() -> None:
-    import warnings
-
-    import gafused
-
     model = cases.make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -158,16 +168,21 @@ def test_no_warning_without_distributed() -> None:
 
 
 def test_model_must_be_ddp_or_fsdp2() -> None:
-    import gafused
-
     model = cases.make_model()
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
 
 
-def test_reduce_dtype_needs_a_model() -> None:
-    import gafused
+def test_fsdp1_is_refused() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
+    model = cases.make_model()
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # the type is what is refused
+    with pytest.raises(TypeError, match="FSDP1"):
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=fsdp1)
+
+
+def test_reduce_dtype_needs_a_model() -> None:
     model = cases.make_model()
     with pytest.raises(ValueError, match="model="):
         gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_dtype=torch.bfloat16)
