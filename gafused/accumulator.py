@@ -4,16 +4,27 @@ Two loops feed it. The recommended one gives each micro-batch's weight up front,
 ``opt.backward(loss, weight=w); opt.step(); opt.zero_grad()``: gradients are folded into the flat buffers
 during backward, one bucket at a time as soon as its gradients exist, and released at once (ingest.py), so
 the buffer costs no more memory than the ``p.grad`` set it replaces. The other,
-``loss.backward(); opt.step(weight=w)``, folds every gradient at ``step()``. Either way the N-th ``step()``
-(or ``flush()``) finishes the window: scale by 1 / sum of weights, global norm, non-finite check, clip, then
-the inner optimizer's step. The math is docs/design.md section 1; the window is a small state machine:
+``loss.backward(); opt.step(weight=w)``, folds every gradient at ``step()``. Either way the window's last
+``step()`` (or ``flush()``) finishes the window: scale by 1 / sum of weights (``normalization="mean"``) or by 1
+(``"sum"``), global norm, non-finite check, clip, then the inner optimizer's step. The math is docs/design.md
+section 1; the window is a small state machine:
 
-    micro_step == 0  --step()-->  micro_step == 1  ...  --step() (the N-th) or flush()-->  finished
-                                                                                          (inner step or skip)
+    micro_step == 0  --step()-->  micro_step == 1  ...  --the window's last step(), or flush()-->  finished
+                                                                                             (inner step or skip)
 
-Within a micro-batch, ``backward()`` may be called several times (several losses); the micro-batch ends at
-``step()``. On the last micro-batch of a window each bucket's fold also applies the window scale and measures
-the bucket (the fused finish), so finishing costs no extra pass over the buffer.
+A window's last micro-batch is the N-th (``accumulation_steps=N``, a *counted* window) or the one the caller
+declares with ``end_window=True`` on its ``backward()`` or ``step()`` (any window; with
+``accumulation_steps=None``, a *driven* window, the only way besides ``flush()``). Within a micro-batch,
+``backward()`` may be called several times (several losses); the micro-batch ends at ``step()``. On the last
+micro-batch of a window each bucket's fold also applies the window scale and measures the bucket (the fused
+finish), so finishing costs no extra pass over the buffer; a window declared over only at ``step()``, after
+its buckets were folded, takes one extra pass, as ``flush()`` does.
+
+GradAccumulator is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are the inner
+optimizer's, so LR schedulers and training frameworks take it. Its public methods run outside torch.compile
+(``torch._disable_dynamo``, as torch's own ``Optimizer.zero_grad`` does): a compiled train step breaks its graph
+once per call into the accumulator and never traces the window's bookkeeping (which would specialize on, and
+recompile for, every micro-step).
 """
 
 from __future__ import annotations
@@ -22,7 +33,8 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +47,10 @@ from gafused.ingest import BucketHooks
 __all__ = ["GradAccumulator"]
 
 _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
+# Version 2 is unchanged by driven windows and normalization: their fields are optional ("accumulation_steps" may be
+# None; "normalization" is absent from older checkpoints, which were all "mean").
 _STATE_VERSION = 2
+_NORMALIZATIONS = ("mean", "sum")
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Inner optimizers that cannot run on a finished dense gradient handed over as p.grad.
 _UNSUPPORTED_OPTIMIZERS = {
@@ -89,6 +104,22 @@ def _real_number(value: Any) -> float | None:
         return math.inf
 
 
+def _check_accumulation_steps(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"accumulation_steps must be a positive int, or None for windows ended by the caller, got {value!r}"
+        )
+    return value
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _check_max_norm(value: Any) -> float | None:
     if value is None:
         return None
@@ -98,18 +129,28 @@ def _check_max_norm(value: Any) -> float | None:
     return number
 
 
-class GradAccumulator:
-    """Wrap an optimizer so that N micro-batches make one optimizer step, with fused, correctly scaled math.
+class GradAccumulator(torch.optim.Optimizer):
+    """Wrap an optimizer so that a window of micro-batches makes one optimizer step, with fused, correctly scaled
+    math.
 
-    The finished gradient of a window of k micro-batches is ``sum(w_i * g_i) / sum(w_i)`` (k = N, or fewer
-    on ``flush()``), accumulated in ``accum_dtype`` whatever the parameters' dtype. Its global L2 norm is
-    reported as ``grad_norm`` and, with ``max_grad_norm``, it is clipped exactly like
-    ``torch.nn.utils.clip_grad_norm_``. A non-finite finished gradient skips the inner step.
+    The finished gradient of a window of k micro-batches is ``sum(w_i * g_i) / sum(w_i)`` (k = N, or fewer when
+    the window is ended early), or ``sum(w_i * g_i)`` with ``normalization="sum"``, accumulated in
+    ``accum_dtype`` whatever the parameters' dtype. Its global L2 norm is reported as ``grad_norm`` and, with
+    ``max_grad_norm``, it is clipped exactly like ``torch.nn.utils.clip_grad_norm_``. A non-finite finished
+    gradient skips the inner step.
+
+    It is a ``torch.optim.Optimizer``: ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's
+    (read and written there), so LR schedulers build on it and change the inner optimizer's learning rate. Step
+    hooks registered on it (``register_step_pre_hook`` / ``register_step_post_hook``) fire once per inner step,
+    around it, as ``hook(accumulator, (), {})``; a skipped window fires none.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` that steps on ``p.grad`` (not LBFGS or SparseAdam); every
             parameter of its ``param_groups`` is managed, each listed once.
-        accumulation_steps: micro-batches per optimizer step (N >= 1).
+        accumulation_steps: micro-batches per optimizer step (N >= 1): the N-th ``step()`` of a window ends it.
+            None makes *driven* windows, ended only by the caller: ``end_window=True`` on the last micro-batch's
+            ``backward()`` or ``step()``, or ``flush()`` after it. ``end_window=True`` ends a counted window early
+            too.
         max_grad_norm: clip the finished gradient to this global L2 norm; None disables clipping.
         accum_dtype: accumulation dtype, ``torch.float32`` (default) or ``torch.float64``. float64
             parameters always accumulate in float64: the buffer is never narrower than the parameter.
@@ -130,12 +171,16 @@ class GradAccumulator:
             ``flush()`` are then collective: every rank calls them. See gafused/distributed.py.
         reduce_dtype: DDP only: the dtype buckets are all-reduced in (default: the accumulation dtype;
             ``torch.bfloat16`` halves the bytes and rounds the summed gradient to bfloat16).
+        normalization: how a window's micro-batches combine. ``"mean"`` (default): the weighted mean
+            ``sum(w_i * g_i) / sum(w_i)``, for losses mean-reduced over their own micro-batch. ``"sum"``: the plain
+            sum ``sum(w_i * g_i)`` (weights default to 1), for losses a framework already normalized over the
+            whole window (transformers' ``num_items_in_batch``); with ``model=`` the sum runs over the ranks too.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        accumulation_steps: int,
+        accumulation_steps: int | None,
         max_grad_norm: float | None = None,
         accum_dtype: torch.dtype = torch.float32,
         backend: str = "auto",
@@ -144,7 +189,16 @@ class GradAccumulator:
         *,
         model: torch.nn.Module | None = None,
         reduce_dtype: torch.dtype | None = None,
+        normalization: str = "mean",
     ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: the parameter groups, state and defaults are the inner
+        # optimizer's (properties below). These are the hook tables its register_* methods fill.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         if isinstance(optimizer, GradAccumulator):
             raise TypeError("optimizer must be the inner torch.optim.Optimizer, not another GradAccumulator")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -152,8 +206,11 @@ class GradAccumulator:
         for unsupported, why in _UNSUPPORTED_OPTIMIZERS.items():
             if isinstance(optimizer, unsupported):
                 raise TypeError(f"optimizer: {unsupported.__name__} cannot be wrapped: {why}")
-        self.accumulation_steps: int = _check_positive_int(accumulation_steps, "accumulation_steps")
+        self.accumulation_steps: int | None = _check_accumulation_steps(accumulation_steps)
         self.max_grad_norm: float | None = _check_max_norm(max_grad_norm)
+        if not isinstance(normalization, str) or normalization not in _NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {normalization!r}")
+        self.normalization: str = normalization
         if accum_dtype not in ACCUM_DTYPES:
             raise ValueError(f"accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype!r}")
         if not isinstance(backend, str) or backend not in _BACKEND_CHOICES:
@@ -270,10 +327,27 @@ class GradAccumulator:
         """The inner optimizer's param groups (an LR scheduler reads and writes them there)."""
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
     @property
     def state(self) -> Any:
         """The inner optimizer's per-parameter state."""
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults (frameworks and schedulers such as OneCycleLR read them)."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
 
     @property
     def backend(self) -> str:
@@ -288,17 +362,37 @@ class GradAccumulator:
     def __repr__(self) -> str:
         return (
             f"GradAccumulator({type(self.optimizer).__name__}, accumulation_steps={self.accumulation_steps}, "
-            f"max_grad_norm={self.max_grad_norm}, accum_dtype={self.accum_dtype}, backend={self.backend!r}, "
-            f"micro_step={self.micro_step})"
+            f"normalization={self.normalization!r}, max_grad_norm={self.max_grad_norm}, "
+            f"accum_dtype={self.accum_dtype}, backend={self.backend!r}, micro_step={self.micro_step})"
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the buffers are laid out for the parameters the accumulator was built with.
+
+        Add the group to the inner optimizer before building the GradAccumulator, or build a new one after.
+        """
+        raise RuntimeError(
+            "add_param_group(): GradAccumulator's buffers are laid out for the parameters it was built with; add the "
+            "group to the inner optimizer and build a new GradAccumulator"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer pickles (and deep-copies) its groups and state only; the accumulator also holds
+        # hooks on the model's parameters and views of their gradients, which a copy would not carry over.
+        raise TypeError(
+            "GradAccumulator cannot be pickled or copied: it holds hooks on the model's parameters. Save "
+            "state_dict() and load it into a GradAccumulator built over the new parameters"
         )
 
     # --- the loop ---------------------------------------------------------------------------------------
 
+    @torch._disable_dynamo  # host bookkeeping around autograd: one graph break, never traced (module docstring)
     def backward(
         self,
         loss: torch.Tensor,
         weight: float | torch.Tensor | None = None,
         *,
+        end_window: bool = False,
         retain_graph: bool | None = None,
         create_graph: bool = False,
         inputs: Sequence[torch.Tensor] | None = None,
@@ -318,10 +412,15 @@ class GradAccumulator:
                 set, the accumulator scales it.
             weight: this micro-batch's weight (a sample or token count), as for ``step(weight=...)``; default 1.
                 Give it to the first ``backward`` of a micro-batch; later ones may repeat it or pass None.
+            end_window: this micro-batch is the window's last: its ``step()`` finishes the window and steps the
+                inner optimizer, whatever ``accumulation_steps`` says (a framework's sync step, the partial last
+                window of an epoch). Given to the micro-batch's first ``backward``, the buckets are finished as
+                they are folded; given later, ``step()`` finishes the window with one more pass over the buffers.
             retain_graph: as in ``torch.autograd.backward``.
             create_graph: as in ``torch.autograd.backward``.
             inputs: as in ``torch.autograd.backward``.
         """
+        _check_bool(end_window, "end_window")
         self._check_param_set()
         micro = self._micro
         if micro is None:
@@ -350,8 +449,10 @@ class GradAccumulator:
         self._release_published()
         opened = micro is None
         if opened:
-            micro = self._open_micro_batch(weight, w, bad)
-        self._sync.before_backward(micro.last)
+            micro = self._open_micro_batch(weight, w, bad, end_window)
+        elif end_window:
+            micro.ends_window = True
+        self._sync.before_backward(micro.ends_window)
         self._hooks.start()
         micro.folded_in_call = False
         try:
@@ -368,21 +469,57 @@ class GradAccumulator:
             raise
         micro.folded = micro.folded or micro.folded_in_call
 
-    def step(self, weight: float | torch.Tensor | None = None) -> None:
-        """End this micro-batch; the N-th call of a window finishes it and steps the inner optimizer.
+    @torch._disable_dynamo  # the window's state machine: one graph break, never traced (module docstring)
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        weight: float | torch.Tensor | None = None,
+        end_window: bool = False,
+    ) -> Any:
+        """End this micro-batch; a window's last call finishes the window and steps the inner optimizer.
 
-        After ``backward()``, ``step()`` folds only what is left (gradients of parameters that got none during
-        backward are zero for this micro-batch). After a plain ``loss.backward()``, it folds every gradient now
-        (one launch per buffer) and releases them.
+        The last call is the N-th of a counted window (``accumulation_steps=N``), or the one whose micro-batch
+        was declared the last with ``end_window`` (here or on its ``backward()``). After ``backward()``, ``step()``
+        folds only what is left (gradients of parameters that got none during backward are zero for this
+        micro-batch). After a plain ``loss.backward()``, it folds every gradient now (one launch per buffer) and
+        releases them.
 
         Args:
+            closure: as in ``torch.optim.Optimizer.step``: a callable that runs this micro-batch's forward and
+                backward (``loss.backward()`` or ``opt.backward(loss, ...)``) and returns the loss. It is called
+                first, with gradients enabled; ``step()`` then ends the micro-batch as without one and returns
+                what the closure returned. A refusal after it leaves its gradients (or its open micro-batch), so
+                ``step()`` can be called again without it.
             weight: this micro-batch's weight (a sample or token count) for the ``loss.backward()`` loop, a
                 non-negative finite number (Python or NumPy) or a 0-d tensor (default 1); refused after
-                ``backward()``, which takes it. A tensor stays on its device: no host sync. A CPU tensor or
-                number is checked here; a device tensor is checked on the device and a bad value raises at the
-                end of the window (where the one host sync of the step happens), discarding that window.
+                ``backward()``, which takes it. Keyword only. A tensor stays on its device: no host sync. A CPU
+                tensor or number is checked here; a device tensor is checked on the device and a bad value raises
+                at the end of the window (where the one host sync of the step happens), discarding that window.
+            end_window: this micro-batch is the window's last, whatever ``accumulation_steps`` says: the window is
+                finished now (a framework's sync step, the partial last window of an epoch).
+
+        Returns:
+            The closure's result, or None without a closure.
         """
+        if closure is not None and not callable(closure):
+            raise TypeError(
+                f"step(): closure must be callable or None, got {type(closure).__name__}; a micro-batch weight is "
+                "passed by keyword: step(weight=w)"
+            )
+        _check_bool(end_window, "end_window")
         self._check_param_set()
+        if closure is None:
+            self._end_micro_batch(weight, end_window)
+            return None
+        if weight is not None:
+            self._weight_tensor(weight)  # refuse a bad weight before the closure runs
+        with torch.enable_grad():
+            result = closure()
+        self._end_micro_batch(weight, end_window)
+        return result
+
+    def _end_micro_batch(self, weight: float | torch.Tensor | None, end_window: bool) -> None:
         micro = self._micro
         if micro is not None and weight is not None:
             raise ValueError(
@@ -398,15 +535,24 @@ class GradAccumulator:
         grads = self._held_grads()  # every check happens before anything changes
         self._check_lr_unchanged()
 
-        last = self.micro_step + 1 == self.accumulation_steps
+        if micro is not None:
+            last = micro.ends_window or end_window
+            # Declared over after its buckets were folded without the window scale: one finishing pass follows.
+            late = last and not micro.last
+        else:
+            last = end_window or self._counted_last()
+            late = False
         if last and self._global:
-            self._check_ready_to_reduce(micro, grads)
+            if late:
+                self._sync.check_window_end()
+            else:
+                self._check_ready_to_reduce(micro, grads)
         if micro is not None:
             self._fold_held_buckets(grads)
             del grads
             self._weight_sum = micro.weight_sum
             self._record_bad_weight(micro.bad_weight)
-            results = [result for group in self._groups for result in self._finish_untouched_buckets(group, last)]
+            results = [result for group in self._groups for result in self._finish_untouched_buckets(group, micro.last)]
             self._micro = None
         else:
             results = self._fold_all(grads, w, bad, last)
@@ -416,16 +562,21 @@ class GradAccumulator:
         if last:
             if self._global:
                 self._finish_across_ranks(self._reduced_window_sums(self.micro_step))
+            elif late:
+                self._finish(self._finishing_pass())
             else:
                 self._finish(results)
 
+    @torch._disable_dynamo
     def flush(self) -> bool:
-        """Finish the open (partial) window now, e.g. at the end of an epoch; returns ``stepped``.
+        """Finish the open window now, after its last ``step()``; returns ``stepped``.
 
-        The finished gradient is the weighted mean over the micro-batches ended by ``step()`` so far. Does
-        nothing (and returns False) when no micro-batch is open. Raises if parameters hold gradients that no
-        ``step()`` has folded, or a ``backward()`` has no ``step()`` yet, rather than drop or silently include
-        them.
+        For a window whose end is known only after its last micro-batch ended (the end of an epoch); when it is
+        known before, ``end_window=True`` on that micro-batch saves flush's extra pass over the buffers. The
+        finished gradient combines the micro-batches ended by ``step()`` so far (weighted mean, or sum with
+        ``normalization="sum"``). Does nothing (and returns False) when no micro-batch is open. Raises if
+        parameters hold gradients that no ``step()`` has folded, or a ``backward()`` has no ``step()`` yet, rather
+        than drop or silently include them.
 
         With ``model=`` it is a collective call: every rank calls it, after the same number of micro-batches.
         """
@@ -460,9 +611,14 @@ class GradAccumulator:
         if self.micro_step == 0:
             self.stepped = False
             return False
-        scale = self._weight_sum.reciprocal()
+        self._finish(self._finishing_pass())
+        return self.stepped
+
+    def _finishing_pass(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Scale and measure every buffer of a window whose micro-batches are all folded (one pass each)."""
+        scale = self._window_scale(self._weight_sum)
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
-        results = [
+        return [
             ops.fold_finish_(
                 group.buffer,
                 [None] * len(group.params),
@@ -473,9 +629,16 @@ class GradAccumulator:
             )
             for group in self._groups
         ]
-        self._finish(results)
-        return self.stepped
 
+    def _window_scale(self, weight_sum: torch.Tensor) -> torch.Tensor:
+        """What the window's folded sum is multiplied by: 1 / sum of weights ("mean"), or 1 ("sum")."""
+        return weight_sum.reciprocal() if self.normalization == "mean" else torch.ones_like(weight_sum)
+
+    def _counted_last(self) -> bool:
+        """Whether the micro-batch now being ended is the N-th of a counted window."""
+        return self.accumulation_steps is not None and self.micro_step + 1 == self.accumulation_steps
+
+    @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Release every managed ``p.grad`` (the accumulator owns them; gradients are always set to None).
 
@@ -493,24 +656,26 @@ class GradAccumulator:
     # --- folding ----------------------------------------------------------------------------------------
 
     def _open_micro_batch(
-        self, given: float | torch.Tensor | None, w: torch.Tensor, bad: torch.Tensor | None
+        self, given: float | torch.Tensor | None, w: torch.Tensor, bad: torch.Tensor | None, end_window: bool
     ) -> _MicroBatch:
         """Start a micro-batch of the backward() loop: its fold weight and, on a window's last, the window scale."""
         first = self.micro_step == 0
-        last = self.micro_step + 1 == self.accumulation_steps
+        last = end_window or self._counted_last()
         if first:
             self._start_window()
         weight_sum = w if first else self._weight_sum + w
         fold_weight = self._fold_weight(w)
         # Across ranks the window is scaled once its buckets are summed: at step(), not while folding.
-        scale = weight_sum.reciprocal() if last and not self._global else None
+        scale = self._window_scale(weight_sum) if last and not self._global else None
         self._reducing = last and self._sync.reduces_buckets
         for group in self._groups:
             group.fold_weight = fold_weight.to(group.buffer.device, non_blocking=True)
             group.scale = None if scale is None else scale.to(group.buffer.device, non_blocking=True)
             group.bucket_touched = [False] * len(group.bucket_touched)
             group.bucket_results = [None] * len(group.bucket_results)
-        self._micro = _MicroBatch(given=given, weight=w, weight_sum=weight_sum, last=last, bad_weight=bad)
+        self._micro = _MicroBatch(
+            given=given, weight=w, weight_sum=weight_sum, last=last, ends_window=last, bad_weight=bad
+        )
         return self._micro
 
     def _fold_weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -591,7 +756,7 @@ class GradAccumulator:
         for group, group_grads in zip(self._groups, grads, strict=True):
             group_weight = fold_weight.to(group.buffer.device, non_blocking=True)
             if last and not self._global:
-                scale = weight_sum.reciprocal().to(group.buffer.device, non_blocking=True)
+                scale = self._window_scale(weight_sum).to(group.buffer.device, non_blocking=True)
                 results.append(
                     ops.fold_finish_(
                         group.buffer, group_grads, group_weight, scale, first=first, backend=group.backend, check=False
@@ -662,7 +827,7 @@ class GradAccumulator:
         self._bad_weight = sums[1] > 0
         # Equal counts on every rank exactly when sum(c^2) * ranks == (sum c)^2.
         self._rank_mismatch = sums[3] * self._sync.world_size != sums[2] * sums[2]
-        scale = self._weight_sum.reciprocal()
+        scale = self._window_scale(self._weight_sum)
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
         results = []
         for group_index, group in enumerate(self._groups):
@@ -785,15 +950,18 @@ class GradAccumulator:
     def _finish(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Norm, non-finite check (the step's one host sync), clip, inner step; then a new window.
 
-        If the inner step raises, the window is discarded (its gradients released, ``micro_step`` back to 0) and
-        the error reaches the caller; training can go on with the next micro-batch.
+        The step pre-hooks registered on the accumulator run just before the inner step (the finished gradients
+        are in ``p.grad``), the post-hooks just after. If a pre-hook or the inner step raises, the window is
+        discarded (its gradients released, ``micro_step`` back to 0) and the error reaches the caller; training can
+        go on with the next micro-batch.
         """
         wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
         norm_dtype = torch.float64 if wide else torch.float32
         total = torch.stack([s.to(self._home, torch.float64, non_blocking=True) for s, _ in results]).sum()
         found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any()
         total, found_inf = self._sync.reduce_norm(total, found_inf)  # FSDP2: every rank's shards
-        # Weights summing to zero make every finished value nan, but an all-empty buffer has no value to show it.
+        # A window whose weights sum to zero holds no data: skipped in either normalization (with "mean" every
+        # finished value would be nan, but an all-empty buffer has no value to show it).
         empty_window = self._weight_sum <= 0
         norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
         found_inf = found_inf | empty_window
@@ -806,7 +974,7 @@ class GradAccumulator:
         if disagree:
             self._discard_window()
             raise RuntimeError(
-                f"step(): the ranks ended a window at different micro-steps (this rank: {self.accumulation_steps}); "
+                f"step(): the ranks ended a window at different micro-steps (this rank: {self.micro_step}); "
                 "every rank must run the same number of micro-batches per window; the window was discarded"
             )
         if bad:  # a refused window leaves the loss scaler as it was
@@ -828,13 +996,21 @@ class GradAccumulator:
         for group in self._groups:
             self._publish_grads(group, coef)
         try:
+            for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+                if pre_hook(self, (), {}) is not None:
+                    raise RuntimeError(
+                        "a GradAccumulator step pre-hook must return None: it runs before the inner step, which "
+                        "takes no arguments to change"
+                    )
             self.optimizer.step()
         except BaseException as error:
             self._discard_window()
-            _add_note(error, "gafused: the window was discarded; the inner optimizer's step raised")
+            _add_note(error, "gafused: the window was discarded; the inner optimizer's step or a step pre-hook raised")
             raise
         self.stepped = True
         self.micro_step = 0
+        for post_hook in list(self._optimizer_step_post_hooks.values()):
+            post_hook(self, (), {})
 
     def _publish_grads(self, group: _Group, coef: torch.Tensor | None) -> None:
         """Apply the clip coefficient and hand the finished gradient to the inner optimizer as ``p.grad``.
@@ -891,16 +1067,22 @@ class GradAccumulator:
 
     # --- checkpoints ------------------------------------------------------------------------------------
 
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state plus the open window (buffers, weights, position).
 
-        Take it between micro-batches (after ``step()``), not between ``backward()`` and ``step()``.
+        Take it between micro-batches (after ``step()``), not between ``backward()`` and ``step()``. State-dict
+        hooks registered on the accumulator run as ``torch.optim.Optimizer.state_dict`` runs them, around this
+        whole dict.
         """
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         window: dict[str, Any] = {
             "version": _STATE_VERSION,
             "accumulation_steps": self.accumulation_steps,
+            "normalization": self.normalization,
             "micro_step": self.micro_step,
             "skipped_steps": self.skipped_steps,
             "weight_sum": None if self._weight_sum is None else self._weight_sum.clone(),
@@ -916,17 +1098,30 @@ class GradAccumulator:
                 # Segments in the buffer's memory order (a channels_last parameter's segment is channels_last).
                 entry["segments"] = torch.cat([group.buffer.segment(i) for i in range(len(group.params))])
             window["buffers"].append(entry)
-        return {"optimizer": self.optimizer.state_dict(), "gafused": window}
+        state_dict = {"optimizer": self.optimizer.state_dict(), "gafused": window}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; a checkpoint taken mid-window resumes that window exactly.
 
         Everything is checked before anything changes: a refused checkpoint raises ValueError naming the bad
-        field and leaves the accumulator and the inner optimizer as they were.
+        field and leaves the accumulator and the inner optimizer as they were. Load-state-dict hooks registered
+        on the accumulator run as ``torch.optim.Optimizer.load_state_dict`` runs them.
 
         Args:
             state_dict: a dict from ``state_dict()`` of an accumulator over the same parameters.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch.optim.Optimizer does: hooks may replace entries
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         window = self._validated_window(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # validates its own groups before changing
 
@@ -952,6 +1147,8 @@ class GradAccumulator:
                 segments = entry["segments"].to(group.buffer.device, group.buffer.accum_dtype)
                 for index, start in enumerate(_running_starts(group.buffer.numels)):
                     group.buffer.segment(index).copy_(segments[start : start + group.buffer.numels[index]])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _validated_window(self, state_dict: Any) -> dict[str, Any]:
         """The 'gafused' part of a checkpoint, checked field by field against this accumulator."""
@@ -972,12 +1169,20 @@ class GradAccumulator:
         micro_step = window.get("micro_step")
         if isinstance(micro_step, bool) or not isinstance(micro_step, int) or micro_step < 0:
             raise field_error("micro_step", "a non-negative int")
-        if micro_step >= self.accumulation_steps:
+        if self.accumulation_steps is not None and micro_step >= self.accumulation_steps:
             raise field_error("micro_step", f"a position in a window of accumulation_steps={self.accumulation_steps}")
         skipped = window.get("skipped_steps")
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise field_error("skipped_steps", "a non-negative int")
         open_window = micro_step > 0
+        normalization = window.get("normalization", "mean")  # checkpoints before normalization= were all "mean"
+        if normalization not in _NORMALIZATIONS:
+            raise field_error("normalization", f"one of {_NORMALIZATIONS}")
+        if open_window and normalization != self.normalization:
+            raise field_error(
+                "normalization",
+                f"{self.normalization!r} (the open window was accumulated to be finished as {normalization!r})",
+            )
         for name, dtype, required in (
             ("weight_sum", torch.float64, open_window),
             ("bad_weight", torch.bool, False),
@@ -1036,7 +1241,8 @@ class _MicroBatch:
     given: float | torch.Tensor | None  # the weight as the caller gave it (to compare later backward calls)
     weight: torch.Tensor  # the weight as a float64 0-d tensor (home device)
     weight_sum: torch.Tensor  # the window's weight sum including this micro-batch (float64, home device)
-    last: bool  # the window's last micro-batch: buckets are finished as they are folded
+    last: bool  # opened as the window's last micro-batch: buckets are finished as they are folded
+    ends_window: bool  # the window ends at this micro-batch's step() (declared at its first backward, or later)
     bad_weight: torch.Tensor | None = None  # device flag for a tensor weight checked on the device
     folded: bool = False  # an earlier backward() of this micro-batch folded something
     folded_in_call: bool = False  # the running backward() folded something

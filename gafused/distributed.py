@@ -225,7 +225,8 @@ class FSDPSync(Sync):
                     raise RuntimeError(
                         "step(): FSDP still holds unreduced gradients at the window's last micro-batch (after "
                         "set_requires_gradient_sync(False)); call model.set_requires_gradient_sync(True) before "
-                        "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does"
+                        "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does (given "
+                        "end_window=True on a driven window's last micro-batch)"
                     )
 
 

@@ -82,7 +82,16 @@ def _load(name: str) -> ModuleType | None:
     if name in _import_errors:
         return None
     try:
-        module = importlib.import_module(_MODULES[name])
+        # The backends that need only torch are imported with import statements, which torch.compile runs while it
+        # traces, so an op first called inside a compiled function does not break its graph there. The optional
+        # ones may fail to import in any way: importlib, a function torch.compile leaves to eager Python, keeps
+        # every such failure a remembered import error.
+        if name == "reference":
+            from gafused import reference as module
+        elif name == "foreach":
+            from gafused import foreach_backend as module
+        else:
+            module = importlib.import_module(_MODULES[name])
     except Exception as error:  # noqa: BLE001 - any import failure makes the backend unavailable; kept for the report
         _import_errors[name] = error
         return None

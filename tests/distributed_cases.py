@@ -5,8 +5,9 @@
 
 Each case trains the same small model for a few windows with unequal token counts across ranks and
 micro-batches, a partial last window (``flush()``) and clipping, through one recipe (DDP or FSDP2, either
-loop, with or without the user's own ``no_sync()``), and reports the final parameters, each window's
-``grad_norm`` and what went over the wire. ``truth()`` computes the same training in float64 on one process.
+loop, with or without the user's own ``no_sync()``, counted or driven windows, token weights or losses
+normalized over the window), and reports the final parameters, each window's ``grad_norm`` and what went over
+the wire. ``truth()`` computes the same training in float64 on one process.
 """
 
 from __future__ import annotations
@@ -148,11 +149,16 @@ def run_case(
     checkpoint_at: tuple[int, int] | None = None,
     bucket_view: bool = False,
     pass_model: bool = True,
+    driven: str | None = None,
+    normalization: str = "mean",
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
     ``checkpoint_at=(window, micro)``: after that micro-batch's step(), every rank saves model, optimizer and
-    accumulator state, builds everything anew from it and goes on.
+    accumulator state, builds everything anew from it and goes on. ``driven``: ``accumulation_steps=None``, every
+    window (the partial one too) ended by ``end_window=True`` given to the last micro-batch's ``"backward"`` or
+    ``"step"``. ``normalization="sum"``: each loss is divided by the window's tokens over every rank and given
+    no weight, as transformers' ``num_items_in_batch`` does.
     """
     import gafused
 
@@ -161,11 +167,12 @@ def run_case(
         inner = torch.optim.SGD(model.parameters(), lr=LR)
         opt = gafused.GradAccumulator(
             inner,
-            N,
+            None if driven else N,
             max_grad_norm=MAX_NORM,
             bucket_bytes=BUCKET_BYTES,
             model=model if pass_model else None,
             reduce_dtype=reduce_dtype,
+            normalization=normalization,
         )
         if state is not None:
             model.load_state_dict(state["model"])
@@ -177,32 +184,35 @@ def run_case(
     norms, wire_per_window, wire_before_last = [], [], []
     for window, count in enumerate(WINDOWS):
         with _Wire() as wire:
+            window_tokens = sum(tokens(r, window, m, weighted) for r in range(WORLD) for m in range(count))
             for micro in range(count):
                 last = micro == count - 1  # the last of a partial window too: FSDP must sync it
-                if last and count == N:
+                if last and (count == N or driven):
                     wire_before_last.append(wire.calls)
                 x, y = micro_batch(rank, window, micro, weighted)
-                weight = x.shape[0] if weighted else None
+                weight = x.shape[0] if weighted and normalization == "mean" else None
+                end = {"end_window": True} if last and driven else {}
                 quiet = (
                     (model.no_sync() if kind == "ddp" else _fsdp_no_sync(model))
                     if no_sync and not last
                     else contextlib.nullcontext()
                 )
                 with quiet:
-                    loss = token_losses(model, x, y).mean()
+                    losses = token_losses(model, x, y)
+                    loss = losses.mean() if normalization == "mean" else losses.sum() / window_tokens
                     if loop == "backward":
-                        opt.backward(loss, weight=weight)
+                        opt.backward(loss, weight=weight, **(end if driven == "backward" else {}))
                     else:
                         loss.backward()
                 if loop == "backward":
-                    opt.step()
+                    opt.step(**(end if driven == "step" else {}))
                 else:
-                    opt.step(weight=weight)
+                    opt.step(weight=weight, **end)
                 opt.zero_grad()
                 if checkpoint_at == (window, micro):
                     state = {"model": model.state_dict(), "opt": opt.state_dict()}
                     model, opt = build(state)
-            if count < N:
+            if count < N and not driven:
                 wire_before_last.append(wire.calls)
                 assert opt.flush()
         assert opt.stepped
@@ -245,6 +255,16 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp-backward-no_sync": {"kind": "fsdp", "loop": "backward", "no_sync": True},
     "fsdp-step-unweighted": {"kind": "fsdp", "loop": "step", "weighted": False},
     "fsdp-step-unweighted-no_sync": {"kind": "fsdp", "loop": "step", "weighted": False, "no_sync": True},
+    # Driven windows: ended by end_window=True, declared before the last backward or only at its step().
+    "ddp-backward-driven": {"kind": "ddp", "loop": "backward", "driven": "backward"},
+    "ddp-backward-driven-at_step": {"kind": "ddp", "loop": "backward", "driven": "step"},
+    "ddp-step-driven": {"kind": "ddp", "loop": "step", "driven": "step"},
+    "fsdp-backward-driven-no_sync": {"kind": "fsdp", "loop": "backward", "driven": "backward", "no_sync": True},
+    "fsdp-backward-driven-at_step": {"kind": "fsdp", "loop": "backward", "driven": "step"},
+    # Losses normalized over the whole window (every rank's tokens), accumulated as a plain sum.
+    "ddp-backward-sum": {"kind": "ddp", "loop": "backward", "normalization": "sum"},
+    "ddp-step-sum": {"kind": "ddp", "loop": "step", "normalization": "sum"},
+    "fsdp-backward-sum": {"kind": "fsdp", "loop": "backward", "normalization": "sum"},
 }
 
 
@@ -276,6 +296,16 @@ def _misuse(rank: int) -> dict[str, str]:
         said["fsdp step weight"] = str(error)
     said["fsdp step weight micro_step"] = str(opt.micro_step)
     opt.zero_grad()
+    fsdp = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), None, model=fsdp)
+    fsdp.set_requires_gradient_sync(False)
+    opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+    try:  # FSDP held the gradients back and the window's end comes too late to reduce them
+        opt.step(end_window=True)
+        said["fsdp no_sync end at step"] = "no error"
+    except RuntimeError as error:
+        said["fsdp no_sync end at step"] = str(error)
+    fsdp.set_requires_gradient_sync(True)
     return said
 
 

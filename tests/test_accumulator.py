@@ -22,8 +22,10 @@ def _model(dtype=torch.float64, seed=0):
 
 def _data(sizes, dtype=torch.float64, seed=1):
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, 5, generator=generator, dtype=dtype), torch.randn(n, 3, generator=generator, dtype=dtype))
-            for n in sizes]
+    return [
+        (torch.randn(n, 5, generator=generator, dtype=dtype), torch.randn(n, 3, generator=generator, dtype=dtype))
+        for n in sizes
+    ]
 
 
 def _make_optimizer(kind, params):
@@ -363,9 +365,9 @@ def test_scheduler_steps_once_per_window_and_per_micro_batch_use_warns(backend):
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=1.0)
     opt = GradAccumulator(inner, accumulation_steps=2, backend=backend)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda epoch: 0.5**epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)  # built on the accumulator
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error")  # neither gafused's warning nor "lr_scheduler.step() before optimizer.step()"
         for x, y in _data([2] * 6, seed=100):
             _loss(model, x, y).backward()
             opt.step()
@@ -373,8 +375,6 @@ def test_scheduler_steps_once_per_window_and_per_micro_batch_use_warns(backend):
             if opt.stepped:
                 scheduler.step()
     assert inner.param_groups[0]["lr"] == pytest.approx(0.5**3)
-    with pytest.raises(TypeError):  # a scheduler cannot be built on the wrapper by mistake
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
     with pytest.warns(UserWarning, match="learning rate changed inside an accumulation window"):
         for x, y in _data([2] * 2, seed=101):
             _loss(model, x, y).backward()
@@ -405,6 +405,8 @@ def test_param_groups_and_state_are_the_inner_optimizers():
         ({"accum_dtype": torch.bfloat16}, ValueError, "accum_dtype"),
         ({"backend": "fastest"}, ValueError, "backend"),
         ({"grad_scaler": object()}, TypeError, "grad_scaler"),
+        ({"normalization": "avg"}, ValueError, "normalization"),
+        ({"normalization": None}, ValueError, "normalization"),
     ],
     ids=lambda value: str(value) if not isinstance(value, dict) else "-".join(f"{k}={v}" for k, v in value.items()),
 )
@@ -510,15 +512,253 @@ def test_parameters_added_later_are_refused():
 
 # The Triton interpreter computes with numpy, which warns on the 0 * inf this window is made of.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
-def test_zero_weight_window_is_skipped(backend, loop):
+@pytest.mark.parametrize("normalization", ["mean", "sum"])
+def test_zero_weight_window_is_skipped(backend, loop, normalization):
+    """A window whose weights sum to zero holds no data: skipped, whichever way the window is normalized."""
     model = _model()
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, backend=backend)
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, backend=backend, normalization=normalization
+    )
     before = [p.detach().clone() for p in model.parameters()]
     for x, y in _data([2, 2], seed=120):
         _micro_batch(opt, _loss(model, x, y), loop, 0)
     assert not opt.stepped and opt.skipped_steps == 1
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
+
+
+# --- driven windows and normalization ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("loop", "declared"),
+    [("backward", "backward"), ("backward", "step"), ("backward", "flush"), ("step", "step"), ("step", "flush")],
+    ids=[
+        "backward-loop-end-at-backward",
+        "backward-loop-end-at-step",
+        "backward-loop-flush",
+        "step-loop-end-at-step",
+        "step-loop-flush",
+    ],
+)
+def test_driven_windows_match_big_batch_in_float64(backend, loop, declared):
+    """accumulation_steps=None: a window ends only when the caller says so, at any length."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(
+        _make_optimizer("adamw", model.parameters()), accumulation_steps=None, max_grad_norm=0.3, backend=backend
+    )
+    reference_opt = _make_optimizer("adamw", reference.parameters())
+    for window, sizes in enumerate([[3, 1, 4], [2], [5, 2, 3, 1, 4, 2]]):
+        batches = _data(sizes, seed=140 + window)
+        for index, (x, y) in enumerate(batches):
+            end = index == len(batches) - 1 and declared != "flush"
+            loss = _loss(model, x, y)
+            if loop == "backward":
+                opt.backward(loss, weight=x.shape[0], end_window=end and declared == "backward")
+                opt.step(end_window=end and declared == "step")
+            else:
+                loss.backward()
+                opt.step(weight=x.shape[0], end_window=end)
+            opt.zero_grad()
+            assert opt.stepped == end
+            assert opt.micro_step == (0 if end else index + 1)  # never ended by a count
+        if declared == "flush":
+            assert opt.flush() is True
+        norm = _big_batch_step(reference, reference_opt, batches, max_norm=0.3)
+        torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+        _assert_same_params(model, reference, 1e-12)
+
+
+def test_end_window_ends_a_counted_window_early(backend, loop):
+    """end_window=True ends a counted window at that micro-batch; the next window counts from zero again."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(_make_optimizer("sgd-momentum", model.parameters()), accumulation_steps=4, backend=backend)
+    reference_opt = _make_optimizer("sgd-momentum", reference.parameters())
+    for window, sizes in enumerate([[3, 5], [2, 4, 1, 3], [6]]):
+        batches = _data(sizes, seed=150 + window)
+        early = len(sizes) < 4
+        for index, (x, y) in enumerate(batches):
+            end = early and index == len(batches) - 1
+            loss = _loss(model, x, y)
+            if loop == "backward":
+                opt.backward(loss, weight=x.shape[0], end_window=end)
+                opt.step()
+            else:
+                loss.backward()
+                opt.step(weight=x.shape[0], end_window=end)
+            opt.zero_grad()
+        assert opt.stepped and opt.micro_step == 0
+        _big_batch_step(reference, reference_opt, batches)
+        _assert_same_params(model, reference, 1e-12)
+
+
+def test_end_declared_by_a_later_backward_of_the_micro_batch(backend):
+    """A micro-batch of two backward() calls, the window's end declared by the second: step() finishes it."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=None, backend=backend)
+    (x1, y1), (x2, y2), (x3, y3) = _data([3, 2, 4], seed=160)
+    opt.backward(_loss(model, x1, y1), weight=3)
+    opt.step()
+    opt.backward(_loss(model, x2, y2), weight=6)  # the second micro-batch: x2 and x3, weighed together
+    opt.backward(_loss(model, x3, y3), weight=6, end_window=True)
+    assert not opt.stepped
+    opt.step()
+    assert opt.stepped and opt.micro_step == 0
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    (3 * _loss(reference, x1, y1) + 6 * (_loss(reference, x2, y2) + _loss(reference, x3, y3))).div(9).backward()
+    reference_opt.step()
+    _assert_same_params(model, reference, 1e-12)
+
+
+def _window_normalized_loss(model, x, y, window_elements):
+    """A micro-batch's loss already divided by the whole window's size (transformers' num_items_in_batch)."""
+    return torch.nn.functional.mse_loss(model(x), y, reduction="sum") / window_elements
+
+
+@pytest.mark.parametrize("steps", [3, None], ids=["counted", "driven"])
+def test_sum_normalization_matches_big_batch_in_float64(backend, loop, steps):
+    """normalization="sum": losses normalized over the window are summed, not averaged again."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(
+        _make_optimizer("adamw", model.parameters()),
+        accumulation_steps=steps,
+        max_grad_norm=0.3,
+        backend=backend,
+        normalization="sum",
+    )
+    reference_opt = _make_optimizer("adamw", reference.parameters())
+    for window, sizes in enumerate([[2, 7, 3], [5, 1, 6], [4, 2]]):  # the last is partial: ended early or flushed
+        batches = _data(sizes, seed=170 + window)
+        window_elements = sum(y.numel() for _, y in batches)
+        for index, (x, y) in enumerate(batches):
+            end = steps is None and index == len(batches) - 1
+            loss = _window_normalized_loss(model, x, y, window_elements)
+            if loop == "backward":
+                opt.backward(loss, end_window=end)
+                opt.step()
+            else:
+                loss.backward()
+                opt.step(end_window=end)
+            opt.zero_grad()
+        if not opt.stepped:
+            assert opt.flush() is True
+        norm = _big_batch_step(reference, reference_opt, batches, max_norm=0.3)
+        torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+        _assert_same_params(model, reference, 1e-12)
+
+
+def test_sum_normalization_is_not_the_mean(backend):
+    """The control for the test above: the same window-normalized losses under the default "mean" are k times
+    too small."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.0), accumulation_steps=3, backend=backend)
+    batches = _data([2, 7, 3], seed=170)
+    window_elements = sum(y.numel() for _, y in batches)
+    for x, y in batches:
+        _window_normalized_loss(model, x, y, window_elements).backward()
+        opt.step()
+    reference = copy.deepcopy(model)
+    norm = _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.0), batches)
+    torch.testing.assert_close(opt.grad_norm * 3, norm, rtol=1e-12, atol=0)
+
+
+def test_driven_sum_checkpoint_resumes_exactly(backend, loop):
+    def build():
+        model = _model()
+        opt = GradAccumulator(
+            _make_optimizer("adamw", model.parameters()),
+            accumulation_steps=None,
+            max_grad_norm=0.5,
+            backend=backend,
+            normalization="sum",
+        )
+        return model, opt
+
+    sizes = [3, 1, 4, 2, 5, 2, 3]  # one window, checkpointed after the fifth micro-batch
+    batches = _data(sizes, seed=180)
+    window_elements = sum(y.numel() for _, y in batches)
+
+    def run(model, opt, part):
+        for index, (x, y) in part:
+            loss = _window_normalized_loss(model, x, y, window_elements)
+            end = index == len(sizes) - 1
+            if loop == "backward":
+                opt.backward(loss, end_window=end)
+                opt.step()
+            else:
+                loss.backward()
+                opt.step(end_window=end)
+            opt.zero_grad()
+
+    uninterrupted, uninterrupted_opt = build()
+    run(uninterrupted, uninterrupted_opt, list(enumerate(batches)))
+    assert uninterrupted_opt.stepped
+
+    model, opt = build()
+    run(model, opt, list(enumerate(batches))[:5])
+    assert opt.micro_step == 5
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    assert checkpoint["opt"]["gafused"]["accumulation_steps"] is None
+    assert checkpoint["opt"]["gafused"]["normalization"] == "sum"
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    assert resumed_opt.micro_step == 5
+    run(resumed, resumed_opt, list(enumerate(batches))[5:])
+    assert resumed_opt.stepped
+    for a, b in zip(resumed.parameters(), uninterrupted.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_window_must_fit_the_accumulator():
+    model = _model()
+    driven = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None, normalization="sum")
+    for x, y in _data([2] * 5, seed=190):
+        _loss(model, x, y).backward()
+        driven.step()
+    open_window = driven.state_dict()
+    assert open_window["gafused"]["micro_step"] == 5
+    counted = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 4, normalization="sum")
+    with pytest.raises(ValueError, match=r"\['micro_step'\].*accumulation_steps=4"):
+        counted.load_state_dict(open_window)
+    mean = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    with pytest.raises(ValueError, match=r"\['normalization'\].*'mean'.*'sum'"):
+        mean.load_state_dict(open_window)
+    bad = copy.deepcopy(open_window)
+    bad["gafused"]["normalization"] = "median"
+    with pytest.raises(ValueError, match=r"\['normalization'\]"):
+        driven.load_state_dict(bad)
+    assert driven.flush()
+    closed = driven.state_dict()
+    mean.load_state_dict(closed)  # between windows the normalization may change
+    older = copy.deepcopy(open_window)
+    del older["gafused"]["normalization"]  # checkpoints from before normalization=: all "mean"
+    mean.load_state_dict(older)
+    assert mean.micro_step == 5
+
+
+def test_end_window_and_weight_arguments_are_checked():
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    (x, y), _ = _data([2, 2], seed=200)
+    with pytest.raises(TypeError, match="end_window must be a bool"):
+        opt.backward(_loss(model, x, y), end_window=1)
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    _loss(model, x, y).backward()
+    with pytest.raises(TypeError, match="end_window must be a bool"):
+        opt.step(end_window="yes")
+    with pytest.raises(TypeError, match=r"step\(weight=w\)"):
+        opt.step(3)  # a positional argument is the closure, as in torch.optim.Optimizer.step
+    assert opt.micro_step == 0 and all(p.grad is not None for p in model.parameters())
+    opt.step(weight=2, end_window=True)
+    assert opt.stepped
 
 
 @pytest.mark.gpu

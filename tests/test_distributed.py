@@ -158,6 +158,7 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "parameter 6" in said["stray param"] and "not a parameter of model" in said["stray param"]
         assert "opt.backward(loss, weight=w)" in said["fsdp step weight"]
         assert said["fsdp step weight micro_step"] == "0"  # the refused step changed nothing
+        assert "end_window=True" in said["fsdp no_sync end at step"]
 
 
 def test_no_warning_without_distributed() -> None:

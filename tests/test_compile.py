@@ -1,0 +1,131 @@
+"""A compiled train step that calls the accumulator: the graphs torch.compile makes, and the same numbers as eager.
+
+GradAccumulator's public methods run outside torch.compile (``torch._disable_dynamo``): Dynamo breaks the graph
+at each call and never traces the window's bookkeeping. What that costs is bounded and the same at every
+micro-step of a window, the window's end included (README, "torch.compile"):
+
+- ``torch._dynamo.explain`` of ``forward; opt.backward(loss, weight=w); opt.step(); opt.zero_grad()`` reports
+  GRAPHS graphs (the forward and loss; the code after the last call) and BREAKS graph break (the one that ends
+  the forward's graph: the frames between the accumulator's calls hold no operation, so they make no graph);
+- compiled once: no recompilation from one micro-step, window or window length to the next.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from gafused import FlatGradBuffer, GradAccumulator, ops
+
+GRAPHS = 2
+BREAKS = 1
+STEPS = 4
+
+pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
+
+
+@pytest.fixture(params=["reference", "foreach"])
+def compile_backend(request):
+    """The gafused backends a CPU train step runs (triton runs here only through its interpreter)."""
+    return request.param
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def _data(count, seed=1):
+    """Micro-batches of one shape, so that the model's graph is not recompiled for a new shape (torch's own rule)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(4, 6, generator=generator, dtype=torch.float64), torch.randn(4, 3, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _train_step(model, opt, loop):
+    def backward_loop(x, y, w):
+        loss = torch.nn.functional.mse_loss(model(x), y.double())
+        opt.backward(loss, weight=w)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def step_loop(x, y, w):
+        loss = torch.nn.functional.mse_loss(model(x), y.double())
+        loss.backward()
+        opt.step(weight=w)
+        opt.zero_grad()
+        return loss.detach()
+
+    return backward_loop if loop == "backward" else step_loop
+
+
+@pytest.mark.parametrize("loop", ["backward", "step"])
+def test_graphs_and_breaks_per_micro_step_are_bounded(compile_backend, loop):
+    model = _model()
+    opt = GradAccumulator(
+        torch.optim.AdamW(model.parameters(), lr=0.01), STEPS, max_grad_norm=1.0, backend=compile_backend
+    )
+    step = _train_step(model, opt, loop)
+    for index, (x, y) in enumerate(_data(STEPS)):
+        explained = torch._dynamo.explain(step)(x, y, torch.tensor(float(x.shape[0])))
+        assert explained.graph_count <= GRAPHS, (index, explained)
+        assert explained.graph_break_count <= BREAKS, (index, explained)
+        assert opt.stepped == (index == STEPS - 1)  # the last one ran the window's end inside the compiled step
+
+
+@pytest.mark.parametrize("steps", [STEPS, None], ids=["counted", "driven"])
+def test_compiled_step_compiles_once_and_matches_the_big_batch(compile_backend, steps):
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.AdamW(model.parameters(), lr=0.01), steps, backend=compile_backend)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def step(x, y, w, end):
+        loss = torch.nn.functional.mse_loss(model(x), y.double())
+        opt.backward(loss, weight=w, end_window=end)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    lengths = [STEPS] * 3 if steps is not None else [3, 5, 2]
+    frames = None
+    for window, length in enumerate(lengths):
+        batches = _data(length, seed=10 + window)
+        for index, (x, y) in enumerate(batches):
+            step(x, y, torch.tensor(float(x.shape[0])), steps is None and index == length - 1)
+        assert opt.stepped
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames  # no recompilation after the first window
+        assert counter.frame_count <= GRAPHS
+        reference_opt.zero_grad()
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        torch.nn.functional.mse_loss(reference(x), y.double()).backward()
+        reference_opt.step()
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["reference", "foreach"])
+def test_ops_trace_without_a_break_when_their_backend_is_first_loaded_inside(monkeypatch, name):
+    """The first call of a backend loads its module: inside a compiled function that must not break the graph."""
+    monkeypatch.setattr(ops, "_loaded", {})  # as in a process whose first gafused op is in the compiled function
+    buffer = FlatGradBuffer([torch.zeros(5), torch.zeros(3, 2)])
+
+    def fold_and_measure(first, second, weight):
+        ops.fold_(buffer, [first, second], weight, first=True, backend=name)
+        return ops.norm(buffer, backend=name)
+
+    explained = torch._dynamo.explain(fold_and_measure)(torch.ones(5), torch.ones(3, 2), torch.tensor(2.0))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
+    assert name in ops._loaded
+    torch.testing.assert_close(ops.norm(buffer, backend=name), torch.tensor(44.0).sqrt())
