@@ -196,3 +196,20 @@ def test_token_counts_differ_across_ranks_and_micro_batches() -> None:
         per_rank = [[cases.tokens(rank, window, micro) for micro in range(count)] for rank in range(cases.WORLD)]
         assert per_rank[0] != per_rank[1]
         assert all(len(set(counts)) == count for counts in per_rank)
+
+
+def test_checkpoint_of_another_world_size_is_refused() -> None:
+    """A mid-window checkpoint holds one rank's unreduced part: it cannot resume on another world size."""
+    model = cases.make_model()
+    opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    x, y = cases.micro_batch(0, 0, 0)
+    opt.backward(cases.token_losses(model, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    state = opt.state_dict()
+    assert state["gafused"]["world_size"] == 1
+    state["gafused"]["world_size"] = 2
+    before = [buffer.data.clone() for buffer in opt.buffers]
+    with pytest.raises(ValueError, match=r"\['world_size'\]"):
+        opt.load_state_dict(state)
+    assert opt.micro_step == 1
+    assert all(torch.equal(a, b.data) for a, b in zip(before, opt.buffers, strict=True))
