@@ -143,6 +143,17 @@ def test_ddp_one_collective_per_bucket_per_window(ranks: list[dict], name: str) 
     assert result["ddp_own_all_reduces"] == 0
 
 
+def test_ddp_reduction_overlaps_the_last_backward(ranks: list[dict]) -> None:
+    """With the weight up front, a bucket's all-reduce starts as soon as it is folded: the last layers' bucket is
+    on the wire before backward reaches the first layer (and nothing is, on the earlier micro-batches)."""
+    seen = _result(ranks, "ddp-backward")["seen_by_first_layer"]
+    per_window = [seen[:3], seen[3:6]]  # two full windows of N = 3 micro-batches (the checkpoint case aside)
+    for counts in per_window:
+        assert counts[:2] == [0, 0] and counts[2] >= 1
+    step_loop = _result(ranks, "ddp-step")["seen_by_first_layer"]
+    assert step_loop[:3] == [0, 0, 0]  # the loss.backward() loop reduces at step()
+
+
 @pytest.mark.parametrize("name", [name for name in cases.CASES if name.startswith("fsdp")])
 def test_fsdp_sends_only_the_window_sums_and_the_norm(ranks: list[dict], name: str) -> None:
     """FSDP2 reduce-scatters the gradients itself; gafused adds two small all-reduces per window."""

@@ -28,7 +28,9 @@ _SCRIPT = Path(__file__).resolve().parent / "triton_aot.py"
 _PYTHONS = [sys.executable, *filter(None, os.environ.get("GAFUSED_AOT_PYTHONS", "").split(os.pathsep))]
 
 
-@pytest.fixture(scope="module", params=_PYTHONS, ids=lambda python: "this-python" if python == sys.executable else python)
+@pytest.fixture(
+    scope="module", params=_PYTHONS, ids=lambda python: "this-python" if python == sys.executable else python
+)
 def compiled(request: pytest.FixtureRequest) -> list[dict]:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     command = [request.param, str(_SCRIPT)] + [argument for arch in ARCHS for argument in ("--arch", str(arch))]
