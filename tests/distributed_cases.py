@@ -182,9 +182,13 @@ def run_case(
     model, opt = build()
     DDP_OWN_ALL_REDUCES[0] = 0
     norms, wire_per_window, wire_before_last = [], [], []
+    # All-reduces already started when backward reaches the first layer's weight, per micro-batch.
+    seen_by_first_layer: list[int] = []
     for window, count in enumerate(WINDOWS):
         with _Wire() as wire:
             window_tokens = sum(tokens(r, window, m, weighted) for r in range(WORLD) for m in range(count))
+            first_weight = next(model.parameters())
+            probe = first_weight.register_hook(lambda grad: seen_by_first_layer.append(wire.calls))
             for micro in range(count):
                 last = micro == count - 1  # the last of a partial window too: FSDP must sync it
                 if last and (count == N or driven):
@@ -215,6 +219,7 @@ def run_case(
             if count < N and not driven:
                 wire_before_last.append(wire.calls)
                 assert opt.flush()
+            probe.remove()
         assert opt.stepped
         norms.append(opt.grad_norm.item())
         wire_per_window.append((wire.calls, wire.bytes))
@@ -224,6 +229,7 @@ def run_case(
         "wire": wire_per_window,
         "wire_before_last": wire_before_last,
         "ddp_own_all_reduces": DDP_OWN_ALL_REDUCES[0],
+        "seen_by_first_layer": seen_by_first_layer,
         "buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers),
         "bucket_bytes": sum(buffer.numel * buffer.data.element_size() for buffer in opt.buffers),
     }

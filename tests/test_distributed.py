@@ -143,6 +143,17 @@ def test_ddp_one_collective_per_bucket_per_window(ranks: list[dict], name: str) 
     assert result["ddp_own_all_reduces"] == 0
 
 
+def test_ddp_reduction_overlaps_the_last_backward(ranks: list[dict]) -> None:
+    """With the weight up front, a bucket's all-reduce starts as soon as it is folded: the last layers' bucket is
+    on the wire before backward reaches the first layer (and nothing is, on the earlier micro-batches)."""
+    seen = _result(ranks, "ddp-backward")["seen_by_first_layer"]
+    per_window = [seen[:3], seen[3:6]]  # two full windows of N = 3 micro-batches (the checkpoint case aside)
+    for counts in per_window:
+        assert counts[:2] == [0, 0] and counts[2] >= 1
+    step_loop = _result(ranks, "ddp-step")["seen_by_first_layer"]
+    assert step_loop[:3] == [0, 0, 0]  # the loss.backward() loop reduces at step()
+
+
 @pytest.mark.parametrize("name", [name for name in cases.CASES if name.startswith("fsdp")])
 def test_fsdp_sends_only_the_window_sums_and_the_norm(ranks: list[dict], name: str) -> None:
     """FSDP2 reduce-scatters the gradients itself; gafused adds two small all-reduces per window."""
@@ -197,3 +208,20 @@ def test_token_counts_differ_across_ranks_and_micro_batches() -> None:
         per_rank = [[cases.tokens(rank, window, micro) for micro in range(count)] for rank in range(cases.WORLD)]
         assert per_rank[0] != per_rank[1]
         assert all(len(set(counts)) == count for counts in per_rank)
+
+
+def test_checkpoint_of_another_world_size_is_refused() -> None:
+    """A mid-window checkpoint holds one rank's unreduced part: it cannot resume on another world size."""
+    model = cases.make_model()
+    opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    x, y = cases.micro_batch(0, 0, 0)
+    opt.backward(cases.token_losses(model, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    state = opt.state_dict()
+    assert state["gafused"]["world_size"] == 1
+    state["gafused"]["world_size"] = 2
+    before = [buffer.data.clone() for buffer in opt.buffers]
+    with pytest.raises(ValueError, match=r"\['world_size'\]"):
+        opt.load_state_dict(state)
+    assert opt.micro_step == 1
+    assert all(torch.equal(a, b.data) for a, b in zip(before, opt.buffers, strict=True))

@@ -23,12 +23,17 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 ARCHS = (80, 90)
 _SCRIPT = Path(__file__).resolve().parent / "triton_aot.py"
+# Interpreters whose Triton compiles the kernels: this one, plus those in $GAFUSED_AOT_PYTHONS (separated by the
+# platform's path separator), e.g. a virtualenv with the Triton of the GPU machines (bench/triton_aot_check.sh).
+_PYTHONS = [sys.executable, *filter(None, os.environ.get("GAFUSED_AOT_PYTHONS", "").split(os.pathsep))]
 
 
-@pytest.fixture(scope="module")
-def compiled() -> list[dict]:
+@pytest.fixture(
+    scope="module", params=_PYTHONS, ids=lambda python: "this-python" if python == sys.executable else python
+)
+def compiled(request: pytest.FixtureRequest) -> list[dict]:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    command = [sys.executable, str(_SCRIPT)] + [argument for arch in ARCHS for argument in ("--arch", str(arch))]
+    command = [request.param, str(_SCRIPT)] + [argument for arch in ARCHS for argument in ("--arch", str(arch))]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
