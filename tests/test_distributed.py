@@ -154,6 +154,17 @@ def test_ddp_reduction_overlaps_the_last_backward(ranks: list[dict]) -> None:
     assert step_loop[:3] == [0, 0, 0]  # the loss.backward() loop reduces at step()
 
 
+def test_driven_window_reduces_during_the_last_backward_when_declared_there(ranks: list[dict]) -> None:
+    """end_window=True given to the last backward() starts the bucket all-reduces during it, as on a counted
+    window's N-th micro-batch; declared only at step(), nothing is on the wire before that step()."""
+    starts = [sum(cases.WINDOWS[:window]) for window in range(len(cases.WINDOWS) + 1)]
+    declared = _result(ranks, "ddp-backward-driven")["seen_by_first_layer"]
+    for window, count in enumerate(cases.WINDOWS):
+        counts = declared[starts[window] : starts[window + 1]]
+        assert counts[: count - 1] == [0] * (count - 1) and counts[-1] >= 1
+    assert _result(ranks, "ddp-backward-driven-at_step")["seen_by_first_layer"] == [0] * starts[-1]
+
+
 @pytest.mark.parametrize("name", [name for name in cases.CASES if name.startswith("fsdp")])
 def test_fsdp_sends_only_the_window_sums_and_the_norm(ranks: list[dict], name: str) -> None:
     """FSDP2 reduce-scatters the gradients itself; gafused adds two small all-reduces per window."""
