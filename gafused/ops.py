@@ -359,12 +359,13 @@ def check_grads(
     grads = CheckedGrads(grads)
     if len(grads) != len(buffer):
         raise ValueError(f"grads must hold one entry per buffer segment ({len(buffer)}), got {len(grads)}")
-    accepted = _accepted_layouts.get(buffer)
-    if accepted is not None and _no_tracing() and accepted.matches(grads):
-        for index in accepted.permuted:
-            grads[index] = grads[index].as_strided((buffer.numels[index],), (1,))
-        grads.shapes = accepted.shapes
-        return grads
+    if _no_tracing():
+        accepted = _accepted_layouts.get(buffer)
+        if accepted is not None and accepted.matches(grads):
+            for index in accepted.permuted:
+                grads[index] = grads[index].as_strided((buffer.numels[index],), (1,))
+            grads.shapes = accepted.shapes
+            return grads
     return _check_each(buffer, grads, names)
 
 

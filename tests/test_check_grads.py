@@ -167,3 +167,17 @@ def test_accumulator_steps_match_the_reference_once_layouts_are_recorded():
             opt.step(weight=step + 1)
     for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_compiled_fold_checks_gradient_by_gradient():
+    buffer = FlatGradBuffer([torch.empty(5), torch.empty(3)])
+    grads = [torch.randn(5), torch.randn(3)]
+    ops.check_grads(buffer, grads)  # records the layout eagerly; the traced call must not use it
+
+    def fold(g0, g1):
+        ops.fold_(buffer, [g0, g1], 2.0, first=True, backend="reference")
+
+    torch.compile(fold, backend="eager")(*grads)
+    torch.testing.assert_close(torch.cat([buffer.segment(0), buffer.segment(1)]), torch.cat(grads) * 2)
+    with pytest.raises(ValueError, match="elements"):
+        torch.compile(fold, backend="eager")(torch.randn(4), grads[1])
