@@ -82,14 +82,17 @@ def rows(
         if backend == "triton" and device.type == "cpu":
             continue  # only under TRITON_INTERPRET=1: a logic check, not a speed anyone runs
         params = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(tensors)]
-        buffer = FlatGradBuffer(params, accum_dtype)
         weight = torch.ones((), device=device)
-        ops.fold_(buffer, grads, weight, first=True, backend=backend)
+        # One buffer per case: a backend keeps state per buffer (the foreach backend's views shaped like the last
+        # gradients it saw), and cases sharing one would time each other's leftovers.
+        buffers = {check: FlatGradBuffer(params, accum_dtype) for check in (True, False)}
+        for buffer in buffers.values():
+            ops.fold_(buffer, grads, weight, first=True, backend=backend)
 
         def middle_fold(
-            buffer: FlatGradBuffer = buffer, weight: torch.Tensor = weight, backend: str = backend, check: bool = True
+            weight: torch.Tensor = weight, backend: str = backend, check: bool = True, buffers: dict = buffers
         ) -> None:
-            ops.fold_(buffer, grads, weight, first=False, backend=backend, check=check)
+            ops.fold_(buffers[check], grads, weight, first=False, backend=backend, check=check)
 
         opt = GradAccumulator(_NoStep(params), accumulation_steps=1 << 30, backend=backend)
 

@@ -16,6 +16,9 @@ The recipes:
   ``p.grad`` cast back for the optimizer step (bf16 parameters only: for fp32 it is ``plain``);
 - ``gafused-step``: ``loss.backward(); opt.step(weight=w)`` (folds at step time);
 - ``gafused-backward``: ``opt.backward(loss, weight=w); opt.step()`` (folds during backward, bucket by bucket).
+
+The gafused recipes run the backend users get, ``backend="auto"`` (foreach on CPU, the fused kernels on a GPU);
+``measure(..., backend=...)`` takes another.
 """
 
 from __future__ import annotations
@@ -127,15 +130,15 @@ def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().square().mean()
 
 
-def _train(recipe: str, model: torch.nn.Module, data: list[torch.Tensor], tracker, bucket_bytes: int) -> None:
+def _train(
+    recipe: str, model: torch.nn.Module, data: list[torch.Tensor], tracker, bucket_bytes: int, backend: str
+) -> None:
     """Two windows of ``recipe``; the tracker is marked where the second window starts."""
     n = ACCUMULATION_STEPS
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt = None
     if recipe.startswith("gafused"):
-        # The reference backend folds in place with no temporaries, as the fused GPU kernels do; the foreach
-        # backend converts a bucket of low-precision gradients before adding it, which would show here.
-        opt = gafused.GradAccumulator(inner, n, backend="reference", bucket_bytes=bucket_bytes)
+        opt = gafused.GradAccumulator(inner, n, backend=backend, bucket_bytes=bucket_bytes)
     if recipe == "megatron":
         for param in model.parameters():
             param.main_grad = torch.zeros_like(param, dtype=torch.float32)
@@ -178,15 +181,16 @@ def measure(
     width: int = 1024,
     device: torch.device | str = "cpu",
     bucket_bytes: int = gafused.buffer.DEFAULT_BUCKET_BYTES,
+    backend: str = "auto",
 ) -> dict:
-    """Peak live bytes of ``recipe`` over its second window, and per parameter."""
+    """Peak live bytes of ``recipe`` over its second window, and per parameter (``backend``: the gafused recipes')."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     device = torch.device(device)
     with track_peak(device) as tracker:
         model = _model(layers, width, dtype, device)
         data = _micro_batches(2 * ACCUMULATION_STEPS, width, dtype, device)
-        _train(recipe, model, data, tracker, bucket_bytes)
+        _train(recipe, model, data, tracker, bucket_bytes, backend)
         params = sum(p.numel() for p in model.parameters())
         del model, data
     peak = tracker.peak_after_mark()
@@ -197,16 +201,17 @@ def measure(
         "peak_bytes": peak,
         "peak_bytes_per_param": peak / params,
         "device": str(device),
+        "backend": gafused.ops.resolve_backend(backend, device) if recipe.startswith("gafused") else "",
     }
 
 
-def _note(recipe: str, dtype: torch.dtype) -> str:
+def _note(recipe: str, dtype: torch.dtype, backend: str) -> str:
     if recipe == "plain" and dtype != torch.float32:
         return "accumulates in bf16"
     if recipe == "gafused-step":
-        return "buffer + a full set of grads at step()"
+        return f"buffer + a full set of grads at step() ({backend} backend)"
     if recipe == "gafused-backward":
-        return "buffer + about one bucket"
+        return f"buffer + about one bucket ({backend} backend)"
     return ""
 
 
@@ -230,7 +235,7 @@ def run(quick: bool, progress: Callable | None = None) -> list[dict]:
     rows = []
     for recipe, dtype in cases:
         row = measure(recipe, dtype, layers, width, device, bucket_bytes)
-        row["note"] = _note(recipe, dtype)
+        row["note"] = _note(recipe, dtype, row["backend"])
         rows.append(row)
         if bar is not None:
             bar.update()

@@ -15,7 +15,13 @@ Agreement with the reference (``gafused/reference.py``):
 
 Segment views are made once per buffer and kept (a view per segment costs more host time than the add it
 feeds); they are shaped like the gradients of the call, which ``torch._foreach_*`` needs, and rebuilt only when
-those shapes change.
+those shapes change. Gradients from ``gafused.ops.check_grads`` carry their shapes, shared by every call with the
+same layout, so most calls see by identity that the views still fit.
+
+Memory: folds and scales work in place. What needs a temporary (a gradient converted to the buffer's dtype on CPU,
+the weighted products off the CPU, the float64 copy a CPU norm makes, the products ``scale_`` casts into ``out``)
+gets one of at most ``CHUNK_BYTES`` (``DEVICE_CHUNK_BYTES`` off the CPU) at a time, longer segments in pieces, so
+the backend's peak memory stays within a few MB of the reference's whatever the model's size.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_reason"]
 
-# Off the CPU, a middle fold needs the products weight * grad in the buffer's dtype before adding them; they
-# are made this many elements at a time, so the extra memory stays bounded whatever the model's size.
-DEVICE_CHUNK_ELEMENTS = 1 << 24
+# The most bytes of temporaries alive at once (see the module docstring). Off the CPU each chunk of a middle fold
+# costs a few launches, so chunks are larger there: a few MB would make a large model's fold launch-bound.
+CHUNK_BYTES = 4 * 2**20
+DEVICE_CHUNK_BYTES = 64 * 2**20
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -51,6 +58,15 @@ class _Views:
         self.flat = _split(acc.detach(), offsets, numels)
         self.shapes: list[torch.Size | None] = []
         self.shaped: list[torch.Tensor] = []
+        self.missing = False  # whether the gradients of ``shapes`` include None
+        self._longer_than: dict[int, list[int]] = {}
+
+    def longer_than(self, limit: int) -> list[int]:
+        """Indices of the segments with more than ``limit`` elements (made once per limit)."""
+        indices = self._longer_than.get(limit)
+        if indices is None:
+            indices = self._longer_than[limit] = [i for i, numel in enumerate(self.numels) if numel > limit]
+        return indices
 
 
 def _split(data: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
@@ -82,12 +98,17 @@ def _views(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> _Views:
 
 
 def _shaped_like(views: _Views, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The segment views shaped like ``grads`` (a segment without a gradient stays 1-D)."""
-    shapes = [None if grad is None else grad.shape for grad in grads]
+    """The segment views shaped like ``grads`` (a segment without a gradient stays 1-D); ``views.missing`` then says
+    whether a gradient is None."""
+    known = getattr(grads, "shapes", None)  # set by gafused.ops.check_grads: one list object per layout
+    if known is not None and known is views.shapes:
+        return views.shaped
+    shapes = known if known is not None else [None if grad is None else grad.shape for grad in grads]
     if shapes != views.shapes:
         pairs = zip(views.flat, shapes, strict=True)
         views.shaped = [flat if shape is None else flat.view(shape) for flat, shape in pairs]
-        views.shapes = shapes
+        views.missing = any(shape is None for shape in shapes)
+    views.shapes = shapes
     return views.shaped
 
 
@@ -96,16 +117,50 @@ def _host_scalars(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _chunks(grads: list[torch.Tensor], limit: int) -> list[slice]:
-    """Consecutive ranges of ``grads`` of at most ``limit`` elements (a bigger gradient gets a range of its own)."""
+def _chunk_elements(device: torch.device, bytes_per_element: int) -> int:
+    """How many elements a chunk may hold when each needs ``bytes_per_element`` bytes of temporaries."""
+    budget = CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
+    return max(1, budget // bytes_per_element)
+
+
+def _chunks(tensors: list[torch.Tensor], limit: int) -> list[slice]:
+    """Consecutive ranges of ``tensors`` of at most ``limit`` elements (a bigger tensor gets a range of its own)."""
     ranges, start, total = [], 0, 0
-    for index, grad in enumerate(grads):
-        if total and total + grad.numel() > limit:
+    for index, tensor in enumerate(tensors):
+        if total and total + tensor.numel() > limit:
             ranges.append(slice(start, index))
             start, total = index, 0
-        total += grad.numel()
-    ranges.append(slice(start, len(grads)))
+        total += tensor.numel()
+    ranges.append(slice(start, len(tensors)))
     return ranges
+
+
+def _cut(
+    segments: list[torch.Tensor], others: list[torch.Tensor | None], indices: list[int], limit: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """``segments`` and ``others`` (equal element counts, pair by pair) with each pair at ``indices`` cut into flat
+    pieces of at most ``limit`` elements, the same cuts in both; a None in ``others`` stays one entry."""
+    if not indices:
+        return segments, others
+    cut_segments: list[torch.Tensor] = []
+    cut_others: list[torch.Tensor | None] = []
+    start = 0
+    for index in indices:
+        cut_segments += segments[start:index]
+        cut_others += others[start:index]
+        segment, other = segments[index], others[index]
+        if other is None:
+            cut_segments.append(segment)
+            cut_others.append(None)
+        else:
+            flat_segment, flat_other = segment.reshape(-1), other.reshape(-1)
+            for begin in range(0, flat_segment.numel(), limit):
+                cut_segments.append(flat_segment[begin : begin + limit])
+                cut_others.append(flat_other[begin : begin + limit])
+        start = index + 1
+    cut_segments += segments[start:]
+    cut_others += others[start:]
+    return cut_segments, cut_others
 
 
 def fold_(
@@ -126,25 +181,42 @@ def fold_(
         weight: 0-d tensor on ``acc``'s device, the micro-batch weight.
         first: overwrite instead of adding (a segment without a gradient is then written with zeros).
     """
-    segments = _shaped_like(_views(acc, offsets, numels), grads)
-    if any(grad is None for grad in grads):
-        if first:
-            torch._foreach_zero_([segment for segment, grad in zip(segments, grads, strict=True) if grad is None])
-        segments = [segment for segment, grad in zip(segments, grads, strict=True) if grad is not None]
-        grads = [grad for grad in grads if grad is not None]
-    if not grads:
-        return
+    views = _views(acc, offsets, numels)
+    segments = _shaped_like(views, grads)
     w = weight.to(acc.dtype)
     if first:
-        torch._foreach_copy_(segments, grads)  # exact upcast, then one rounding: the same as (grad * w)
-        torch._foreach_mul_(segments, w)
+        if views.missing:
+            torch._foreach_zero_([segment for segment, grad in zip(segments, grads, strict=True) if grad is None])
+            segments, grads = _present(segments, grads)
+        if grads:
+            torch._foreach_copy_(segments, grads)  # exact upcast, then one rounding: the same as (grad * w)
+            torch._foreach_mul_(segments, w)
     elif _host_scalars(acc.device):
-        torch._foreach_add_(segments, grads, alpha=w.item())
+        # add_ converts a gradient of another dtype into a temporary as large as the gradient: long ones in pieces.
+        limit = _chunk_elements(acc.device, acc.element_size())
+        converted = [i for i in views.longer_than(limit) if grads[i] is not None and grads[i].dtype != acc.dtype]
+        segments, grads = _cut(segments, grads, converted, limit)
+        if views.missing:
+            segments, grads = _present(segments, grads)
+        if grads:
+            torch._foreach_add_(segments, grads, alpha=w.item())
     else:
-        for part in _chunks(grads, DEVICE_CHUNK_ELEMENTS):
+        limit = _chunk_elements(acc.device, 2 * acc.element_size())  # an upcast copy and a product per element
+        segments, grads = _cut(segments, grads, views.longer_than(limit), limit)
+        if views.missing:
+            segments, grads = _present(segments, grads)
+        for part in _chunks(grads, limit) if grads else ():
             # The weight stays on the device: products in acc's dtype (upcast first), then one add.
             upcast = [grad if grad.dtype == acc.dtype else grad.to(acc.dtype) for grad in grads[part]]
             torch._foreach_add_(segments[part], torch._foreach_mul(upcast, w))
+
+
+def _present(
+    segments: list[torch.Tensor], grads: list[torch.Tensor | None]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The segments that have a gradient, and those gradients."""
+    pairs = [(segment, grad) for segment, grad in zip(segments, grads, strict=True) if grad is not None]
+    return [segment for segment, _ in pairs], [grad for _, grad in pairs]
 
 
 def fold_finish_(
@@ -171,18 +243,38 @@ def fold_finish_(
         (sum of squares as a 0-d tensor of ``acc.dtype``, 0-d bool tensor), both on ``acc``'s device.
     """
     fold_(acc, grads, offsets, numels, weight, first)
-    segments = _views(acc, offsets, numels).flat
-    torch._foreach_mul_(segments, scale.to(acc.dtype))
-    squares = _squares(segments, acc)
+    views = _views(acc, offsets, numels)
+    torch._foreach_mul_(views.flat, scale.to(acc.dtype))
+    squares = _squares(views, acc)
     total = squares.sum()
-    return total.to(acc.dtype), _nonfinite(segments, total, acc)
+    return total.to(acc.dtype), _nonfinite(views.flat, total, acc)
 
 
-def _squares(segments: list[torch.Tensor], acc: torch.Tensor) -> torch.Tensor:
-    """Per-segment sums of squares in float64, shape [len(segments)]."""
+def _squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
+    """Per-segment sums of squares in float64, shape [number of segments]."""
+    segments = views.flat
     if not segments:
         return torch.zeros(0, dtype=torch.float64, device=acc.device)
-    return torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float64)).square()
+    long = []
+    if acc.device.type == "cpu" and acc.dtype != torch.float64:
+        # A CPU norm in float64 first copies its whole input to float64: long segments in pieces.
+        limit = _chunk_elements(acc.device, 8)
+        long = views.longer_than(limit)
+    if not long:
+        return torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float64)).square()
+    pieces, _ = _cut(segments, segments, long, limit)
+    squares = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square()
+    # Back to one value per segment: a long segment's pieces are consecutive; sum them in order.
+    parts, start, piece = [], 0, 0
+    for index in long:
+        count = -(-views.numels[index] // limit)
+        parts.append(squares[piece : piece + index - start])
+        piece += index - start
+        parts.append(squares[piece : piece + count].sum().reshape(1))
+        piece += count
+        start = index + 1
+    parts.append(squares[piece:])
+    return torch.cat(parts)
 
 
 def _nonfinite(segments: list[torch.Tensor], total: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -208,7 +300,7 @@ def sum_of_squares(acc: torch.Tensor, offsets: list[int], numels: list[int], per
         numels: elements of each segment.
         per_segment: one value per segment instead of the total.
     """
-    squares = _squares(_views(acc, offsets, numels).flat, acc)
+    squares = _squares(_views(acc, offsets, numels), acc)
     return (squares if per_segment else squares.sum()).to(acc.dtype)
 
 
@@ -228,12 +320,13 @@ def scale_(
         coef: 0-d tensor on ``acc``'s device.
         out: None, or a contiguous flat tensor with ``acc``'s layout and any float dtype (acc is then unchanged).
     """
-    segments = _views(acc, offsets, numels).flat
+    views = _views(acc, offsets, numels)
     c = coef.to(acc.dtype)
     if out is None:
-        torch._foreach_mul_(segments, c)
+        torch._foreach_mul_(views.flat, c)
         return
-    targets = _split(out, offsets, numels)
-    for part in _chunks(segments, DEVICE_CHUNK_ELEMENTS):
+    limit = _chunk_elements(acc.device, acc.element_size())
+    segments, targets = _cut(views.flat, _split(out, offsets, numels), views.longer_than(limit), limit)
+    for part in _chunks(segments, limit):
         # The product in acc's dtype, then one cast into out's dtype: what torch.mul(..., out=target) rounds to.
         torch._foreach_copy_(targets[part], torch._foreach_mul(segments[part], c))

@@ -33,9 +33,15 @@ def _grads(buffer, dtype, generator, missing=()):
     ]
 
 
+# Temporaries are made CHUNK_BYTES at a time; 40 bytes cuts every segment longer than 5 or 10 elements in pieces.
+CHUNKS = {"one_chunk": 1 << 24, "pieces": 40}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES.values(), ids=GRAD_DTYPES.keys())
-def test_host_path_fold_is_bitwise_the_reference(grad_dtype, accum_dtype):
+def test_host_path_fold_is_bitwise_the_reference(grad_dtype, accum_dtype, chunk, monkeypatch):
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
     generator = torch.Generator().manual_seed(5)
     candidate, expected = _buffers(accum_dtype, generator)
     for step, weight in enumerate([0.75, torch.tensor(1.3), torch.tensor(0.1, dtype=torch.float64)]):
@@ -45,13 +51,14 @@ def test_host_path_fold_is_bitwise_the_reference(grad_dtype, accum_dtype):
         assert torch.equal(candidate.data, expected.data)
 
 
-@pytest.mark.parametrize("chunk", [1 << 24, 20], ids=["one_chunk", "many_chunks"])
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES.values(), ids=GRAD_DTYPES.keys())
 def test_device_path_fold_rounds_like_the_reference_device_path(grad_dtype, accum_dtype, chunk, monkeypatch):
     # The path a GPU takes (the weight stays a tensor), run on CPU: acc + (grad * weight), each rounded once.
     monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)
-    monkeypatch.setattr(foreach_backend, "DEVICE_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(foreach_backend, "DEVICE_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
     generator = torch.Generator().manual_seed(6)
     candidate, _ = _buffers(accum_dtype, generator)
     expected = candidate.data.clone()
@@ -80,13 +87,29 @@ def test_float64_overflowing_sum_of_squares_is_not_a_nonfinite_value(host, monke
     assert flag
 
 
-def test_sum_of_squares_against_float64():
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+def test_sum_of_squares_against_float64(chunk, monkeypatch):
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
     generator = torch.Generator().manual_seed(7)
     buffer, _ = _buffers(torch.float32, generator)
     exact = [buffer.segment(i).double().square().sum() for i in range(len(buffer))]
     per_segment = ops.sum_of_squares(buffer, per_segment=True, backend="foreach")
     torch.testing.assert_close(per_segment.double(), torch.stack(exact), rtol=1e-7, atol=0)
     torch.testing.assert_close(ops.sum_of_squares(buffer, backend="foreach").double(), sum(exact), rtol=1e-7, atol=0)
+    buffer.data[buffer.offsets[-1] + 50] = float("inf")  # in a segment cut in pieces
+    total, flag = ops.fold_finish_(buffer, [None] * len(buffer), 0.0, 1.0, first=False, backend="foreach")
+    assert torch.isinf(total) and flag
+
+
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_scale_into_out_is_bitwise_the_reference(out_dtype, chunk, monkeypatch):
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
+    candidate, _ = _buffers(torch.float32, torch.Generator().manual_seed(9))
+    out, expected = (torch.full((candidate.numel,), 3.0, dtype=out_dtype) for _ in range(2))
+    ops.scale_(candidate, torch.tensor(0.37), out=out, backend="foreach")
+    ops.scale_(candidate, torch.tensor(0.37), out=expected, backend="reference")
+    assert torch.equal(out, expected)
 
 
 def test_gradient_shapes_may_change_between_calls():

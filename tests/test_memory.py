@@ -2,6 +2,7 @@
 
 The tracker counts every tensor allocation and free (torch.profiler's allocation events on CPU); it is first
 checked against allocations of known sizes. The model is ~100 MB of fp32 parameters (24 x Linear(1024, 1024)).
+The gafused recipes run ``backend="auto"``, what users get: the foreach backend on CPU.
 """
 
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from gafused import FlatGradBuffer, foreach_backend, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 memory = pytest.importorskip("memory", reason="bench/memory.py ships with a source checkout, not the sdist")
@@ -28,6 +31,34 @@ def test_tracker_counts_known_allocations_exactly():
     assert tracker.peak_after_mark() == 4000 + 24000 + 500
 
 
+def test_foreach_temporaries_stay_within_a_chunk(monkeypatch):
+    """Each foreach op that needs temporaries (conversions, products, float64 copies for norms) makes them at most
+    CHUNK_BYTES at a time, even for a segment four times that long."""
+    chunk = foreach_backend.CHUNK_BYTES
+    buffer = FlatGradBuffer([torch.empty(chunk), torch.empty(5), torch.empty(3, 7)])  # chunk elements: 4x the bytes
+    grads = [torch.randn(shape).to(torch.bfloat16) for shape in buffer.shapes]
+    out = torch.empty(buffer.numel, dtype=torch.bfloat16)
+    ops.fold_(buffer, grads, 0.5, first=True, backend="foreach")
+    checked = ops.check_grads(buffer, grads)
+    weight, scale = torch.tensor(0.5), torch.tensor(0.25)
+
+    def peak(run) -> int:
+        with memory.track_peak(torch.device("cpu")) as tracker:
+            tracker.mark()
+            run()
+        return tracker.peak_after_mark()
+
+    peaks = {
+        "fold": peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach", check=False)),
+        "fold_finish": peak(lambda: ops.fold_finish_(buffer, checked, weight, scale, first=False, backend="foreach")),
+        "scale_into_out": peak(lambda: ops.scale_(buffer, scale, out=out, backend="foreach")),
+    }
+    monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)  # the path a GPU takes
+    peaks["device_fold"] = peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach"))
+    slack = 2**16  # 0-d tensors, per-segment norms
+    assert all(0 < value <= chunk + slack for value in peaks.values()), peaks
+
+
 @pytest.fixture(scope="module")
 def peaks():
     rows = {}
@@ -43,6 +74,8 @@ def peaks():
 
 
 def test_fold_during_backward_fp32_is_no_higher_than_plain_pytorch(peaks):
+    # What users get on CPU is the foreach backend: these bounds are its bounds.
+    assert peaks["gafused-backward", torch.float32]["backend"] == ops.resolve_backend("auto", "cpu") == "foreach"
     plain = peaks["plain", torch.float32]
     ours = peaks["gafused-backward", torch.float32]
     assert plain["params"] * 4 > 95e6  # the model really is ~100 MB of parameters

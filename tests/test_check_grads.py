@@ -1,0 +1,183 @@
+"""ops.check_grads once a buffer has recorded the layout of accepted gradients: lists laid out the same way are
+matched in one call, and every other list, bad gradients included, is still checked, named and refused exactly as
+the per-gradient path does, before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gafused import FlatGradBuffer, GradAccumulator, ops
+
+SHAPES = [(3, 5), (7,), (2, 3, 4)]
+NAMES = ["layer0.weight", "layer1.bias", "layer2.weight"]
+
+
+def _buffer(channels_last: bool = False) -> FlatGradBuffer:
+    """Three parameters; with ``channels_last`` the last one is a channels_last 4-d parameter."""
+    last = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last) if channels_last else torch.empty(SHAPES[2])
+    return FlatGradBuffer([torch.empty(SHAPES[0]), torch.empty(SHAPES[1]), last])
+
+
+def _grads(buffer: FlatGradBuffer, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    grads = []
+    for param in buffer.params:
+        grad = torch.randn(param.shape, generator=generator)
+        grads.append(torch.empty_like(param).copy_(grad))  # the parameter's strides, as autograd gives them
+    return grads
+
+
+def _recorded(buffer: FlatGradBuffer) -> list:
+    """Check one list of good gradients, then another laid out the same way; the shapes both share show that the
+    second was matched against the layout the first recorded."""
+    first = ops.check_grads(buffer, _grads(buffer, 1))
+    second = ops.check_grads(buffer, _grads(buffer, 2))
+    assert first.shapes is not None and second.shapes is first.shapes
+    return second.shapes
+
+
+def test_torch_provides_the_tensor_check_the_fast_path_uses():
+    # If a torch release drops or changes it, check_grads still works (per gradient) but loses its speed.
+    assert ops._TensorGuards is not None, "torch._C._dynamo.guards.TensorGuards is missing or answers differently"
+
+
+def test_gradients_laid_out_like_the_recorded_ones_come_back_as_given():
+    buffer = _buffer()
+    _recorded(buffer)
+    grads = _grads(buffer, 3)
+    checked = ops.check_grads(buffer, grads)
+    assert all(got is given for got, given in zip(checked, grads, strict=True))
+
+
+NOT_REAL = "gradients must be real floating point"
+BAD = {
+    "numel": (lambda good: torch.randn(good.numel() + 1), ValueError, "the gradient has 8 elements, its segment 7"),
+    "integer": (lambda good: torch.ones(good.shape, dtype=torch.int32), ValueError, NOT_REAL),
+    "complex": (lambda good: torch.ones(good.shape, dtype=torch.complex64), ValueError, NOT_REAL),
+    "sparse": (lambda good: good.to_sparse(), ValueError, "sparse gradients are not supported"),
+    "meta": (lambda good: torch.empty(good.shape, device="meta"), ValueError, "the gradient is on meta, the buffer"),
+    "not_a_tensor": (lambda good: "grad", TypeError, "a gradient must be a tensor or None, got str"),
+}
+
+
+@pytest.mark.parametrize(("make", "error", "message"), BAD.values(), ids=BAD.keys())
+def test_a_bad_gradient_after_a_recorded_layout_is_named_and_refused(make, error, message):
+    buffer = _buffer()
+    _recorded(buffer)
+    grads = _grads(buffer, 3)
+    grads[1] = make(grads[1])
+    with pytest.raises(error, match=f"layer1.bias: {message}"):
+        ops.check_grads(buffer, grads, names=NAMES)
+    before = buffer.data.clone()
+    with pytest.raises(error, match=message):
+        ops.fold_(buffer, grads, 1.0, first=False, backend="foreach")
+    assert torch.equal(buffer.data, before)
+
+
+def test_gradients_that_differ_from_the_recorded_layout_are_still_converted():
+    buffer = _buffer()
+    shapes = _recorded(buffer)
+    with_graph = torch.randn(3, 5, requires_grad=True) * 2
+    other_dtype = torch.randn(7, dtype=torch.bfloat16)
+    strided = torch.randn(4, 3, 2).permute(2, 1, 0)
+    checked = ops.check_grads(buffer, [with_graph, other_dtype, strided])
+    assert checked.shapes is not shapes  # not matched: checked gradient by gradient
+    assert not checked[0].requires_grad and torch.equal(checked[0], with_graph.detach())
+    assert checked[1] is other_dtype
+    assert checked[2].is_contiguous() and torch.equal(checked[2], strided)
+
+
+def test_missing_gradients_are_matched_by_position():
+    buffer = _buffer()
+    grads = _grads(buffer, 1)
+    first = ops.check_grads(buffer, [grads[0], None, grads[2]])
+    again = ops.check_grads(buffer, [grads[0], None, grads[2]])
+    assert again.shapes is first.shapes and again[1] is None
+    moved = ops.check_grads(buffer, [None, grads[1], grads[2]])  # a gradient where None was, and the reverse
+    assert moved[0] is None and moved[1] is grads[1] and moved.shapes is not first.shapes
+    twice = torch.randn(7)
+    shared = ops.check_grads(buffer, [grads[0], twice, grads[2]])
+    assert shared[1] is twice
+
+
+def test_one_tensor_for_two_segments_is_accepted_every_time():
+    buffer = FlatGradBuffer([torch.empty(4), torch.empty(4)])
+    grad = torch.randn(4)
+    for _ in range(2):
+        checked = ops.check_grads(buffer, [grad, grad])
+        assert checked[0] is grad and checked[1] is grad
+    ops.fold_(buffer, [grad, grad], 1.0, first=True, backend="foreach")
+    assert torch.equal(buffer.segment(1), grad)
+
+
+def test_channels_last_gradients_come_back_in_memory_order_on_both_paths():
+    buffer = _buffer(channels_last=True)
+    assert buffer.permuted == {2}
+    _recorded(buffer)
+    grads = _grads(buffer, 3)
+    checked = ops.check_grads(buffer, grads)
+    # Matched: a flat view of the gradient's own memory, no copy.
+    assert checked[2].shape == (120,) and checked[2].data_ptr() == grads[2].data_ptr()
+    assert torch.equal(checked[2], grads[2].permute(0, 2, 3, 1).reshape(-1))
+    row_major = grads[2].contiguous()
+    reordered = ops.check_grads(buffer, [grads[0], grads[1], row_major])
+    assert torch.equal(reordered[2], checked[2]) and reordered[2].data_ptr() != row_major.data_ptr()
+
+
+def test_tensor_subclasses_are_checked_each_time():
+    buffer = _buffer()
+    grads = [torch.nn.Parameter(grad) for grad in _grads(buffer, 1)]
+    first = ops.check_grads(buffer, grads)
+    assert first.shapes is None and ops.check_grads(buffer, grads).shapes is None
+    grads[0] = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="elements"):
+        ops.check_grads(buffer, grads)
+
+
+def test_without_torchs_tensor_check_every_gradient_is_checked(monkeypatch):
+    monkeypatch.setattr(ops, "_TensorGuards", None)
+    buffer = _buffer()
+    for seed in (1, 2):
+        checked = ops.check_grads(buffer, _grads(buffer, seed))
+        assert checked.shapes is None
+    grads = _grads(buffer, 3)
+    grads[0] = torch.randn(16)
+    with pytest.raises(ValueError, match="layer0.weight: the gradient has 16 elements, its segment 15"):
+        ops.check_grads(buffer, grads, names=NAMES)
+
+
+def test_accumulator_steps_match_the_reference_once_layouts_are_recorded():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    reference.load_state_dict(model.state_dict())
+    fast = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend="foreach")
+    slow = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend="reference")
+    for step in range(7):
+        x = torch.randn(5, 4)
+        for net, opt in ((model, fast), (reference, slow)):
+            net(x).square().mean().backward()
+            if step == 4:  # a bad gradient in the middle of a window: refused, nothing folded
+                first = next(net.parameters())
+                good, first.grad = first.grad, first.grad.to_sparse()  # the grad setter lets a sparse one through
+                with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*sparse"):
+                    opt.step(weight=step + 1)
+                first.grad = good
+            opt.step(weight=step + 1)
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_compiled_fold_checks_gradient_by_gradient():
+    buffer = FlatGradBuffer([torch.empty(5), torch.empty(3)])
+    grads = [torch.randn(5), torch.randn(3)]
+    ops.check_grads(buffer, grads)  # records the layout eagerly; the traced call must not use it
+
+    def fold(g0, g1):
+        ops.fold_(buffer, [g0, g1], 2.0, first=True, backend="reference")
+
+    torch.compile(fold, backend="eager")(*grads)
+    torch.testing.assert_close(torch.cat([buffer.segment(0), buffer.segment(1)]), torch.cat(grads) * 2)
+    with pytest.raises(ValueError, match="elements"):
+        torch.compile(fold, backend="eager")(torch.randn(4), grads[1])
