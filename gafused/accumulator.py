@@ -764,7 +764,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 )
             else:
                 ops.fold_(group.buffer, group_grads, group_weight, first=first, backend=group.backend, check=False)
-            group.had_grad = [had or grad is not None for had, grad in zip(group.had_grad, group_grads, strict=True)]
+            if not all(group.had_grad):  # usually all True after a window's first micro-batch: nothing to add
+                group.had_grad = [had or g is not None for had, g in zip(group.had_grad, group_grads, strict=True)]
             for param in group.params:
                 param.grad = None  # folded: release the memory now
         self._weight_sum = weight_sum
