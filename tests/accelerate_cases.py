@@ -4,13 +4,14 @@
     python tests/accelerate_cases.py --report     # every case on 1 process and on 2 ranks, printed as a table
 
 The data: a tiny GPT-2 built from a config (no download), micro-batches of 2 sequences whose lengths differ a lot
-(padding labelled -100), so micro-batches carry very different numbers of loss tokens. A prepared dataloader gives
-each process 10 micro-batches per epoch and ``Accelerator(gradient_accumulation_steps=4)`` makes windows of 4, 4 and a
-partial 2 (Accelerate syncs at the end of the dataloader). SGD, so that any scale error shows in the parameters, and an
-LR scheduler (``LambdaLR``) prepared by Accelerate. ``truth()`` trains a float64 copy on one process: each window's
-step on the big batch of every process's micro-batches of that window, loss = sum of the token losses / number of
-loss tokens, clipped like ``clip_grad_norm_`` when the case clips. Error = |p - p_truth| / |p_truth - p0| over all
-parameters.
+(padding labelled -100), so micro-batches carry very different numbers of loss tokens (``"uneven"``; ``"even"``: every
+sequence 16 tokens long). A prepared dataloader gives each process 10 micro-batches per epoch and
+``Accelerator(gradient_accumulation_steps=4)`` makes windows of 4, 4 and a partial 2 (Accelerate syncs at the end of
+the dataloader; the data sets without ``"partial"`` give 8 micro-batches: two full windows). SGD, so that any scale
+error shows in the parameters, and an LR scheduler (``LambdaLR``) prepared by Accelerate. ``truth()`` trains a float64
+copy on one process: each window's step on the big batch of every process's micro-batches of that window, loss = sum
+of the token losses / number of loss tokens, clipped like ``clip_grad_norm_`` when the case clips.
+Error = |p - p_truth| / |p_truth - p0| over all parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 
 GA = 4  # Accelerator(gradient_accumulation_steps=GA)
-BATCHES = 10  # micro-batches per process per epoch: windows of 4, 4 and a partial 2
+# Data sets: (every sequence the same length, micro-batches per process per epoch). 10 makes windows 4, 4, 2.
+DATA = {"uneven-partial": (False, 10), "uneven": (False, 8), "even-partial": (True, 10), "even": (True, 8)}
+MAIN = "uneven-partial"
 SEQUENCES = 2  # sequences per micro-batch
 LR = 0.5
 MAX_NORM = 0.2  # below every window's norm: clipping is exercised
@@ -37,9 +40,9 @@ def lr_lambda(step: int) -> float:
     return 1.0 / (1.0 + 0.25 * step)
 
 
-def windows() -> list[range]:
+def windows(batches: int) -> list[range]:
     """Each process's micro-batch indices of each window: GA at a time, the last one partial."""
-    return [range(start, min(start + GA, BATCHES)) for start in range(0, BATCHES, GA)]
+    return [range(start, min(start + GA, batches)) for start in range(0, batches, GA)]
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -52,15 +55,21 @@ def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return GPT2LMHeadModel(config).to(dtype)
 
 
-def sequence_length(index: int) -> int:
-    """Lengths from 2 to 31: a micro-batch holds from 2 to 60 loss tokens."""
-    return 2 + (index * 11 + (index * index) % 7) % 30
+def sequence_length(index: int, even: bool) -> int:
+    """Uneven: lengths from 2 to 31, so a micro-batch holds from 2 to 60 loss tokens."""
+    return 16 if even else 2 + (index * 11 + (index * index) % 7) % 30
 
 
 class Sequences(torch.utils.data.Dataset):
-    def __init__(self, count: int) -> None:
+    """The sequences of every process of a run: ``world * batches`` micro-batches."""
+
+    def __init__(self, data: str, world: int) -> None:
+        even, batches = DATA[data]
         generator = torch.Generator().manual_seed(1234)
-        self.items = [torch.randint(0, 64, (sequence_length(i),), generator=generator) for i in range(count)]
+        self.items = [
+            torch.randint(0, 64, (sequence_length(i, even),), generator=generator)
+            for i in range(world * batches * SEQUENCES)
+        ]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -101,15 +110,15 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     )
 
 
-def truth(world: int, clip: bool, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
+def truth(world: int, clip: bool, data: str = MAIN, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
     """Float64, one process: each window's SGD step on the token-weighted big batch of every process's micro-batches,
     at the learning rate Accelerate's scheduler gives that window (it steps ``world`` times per optimizer step).
     ``dtype=torch.float32`` gives plain fp32 PyTorch on the same big batch: the rounding a bound must allow."""
     model = make_model(dtype)
-    dataset = Sequences(BATCHES * world * SEQUENCES)
+    dataset = Sequences(data, world)
     initial = [p.detach().clone() for p in model.parameters()]
     norms, lrs = [], []
-    for index, window in enumerate(windows()):
+    for index, window in enumerate(windows(DATA[data][1])):
         model.zero_grad()
         total = torch.zeros((), dtype=dtype)
         tokens = 0
@@ -139,21 +148,24 @@ def error(params: list[torch.Tensor], reference: dict[str, Any]) -> float:
 
 # --- one process of a run ------------------------------------------------------------------------------------------
 
+# Accelerate's own recipe: accelerator.backward(loss) divides by GA, DDP averages the ranks' accumulated gradients.
+# gafused: the same recipe through gafused.integrations.accelerate.prepare, token weights given to accelerator.backward.
 CASES: dict[str, dict[str, Any]] = {
-    # Accelerate's own recipe: accelerator.backward(loss) divides by GA, DDP averages the ranks' accumulated grads.
-    "accelerate": {"recipe": "accelerate", "clip": False},
-    "accelerate-clip": {"recipe": "accelerate", "clip": True},
-    # The same recipe through gafused.integrations.accelerate.prepare, token weights given to accelerator.backward.
-    "gafused": {"recipe": "gafused", "clip": False},
-    "gafused-clip": {"recipe": "gafused", "clip": True},
+    **{
+        f"{recipe}/{data}": {"recipe": recipe, "clip": False, "data": data}
+        for recipe in ("accelerate", "gafused")
+        for data in DATA
+    },
+    f"accelerate-clip/{MAIN}": {"recipe": "accelerate", "clip": True},
+    f"gafused-clip/{MAIN}": {"recipe": "gafused", "clip": True},
     # loss.backward(); optimizer.step(weight=w): the fold at step().
-    "gafused-step-clip": {"recipe": "gafused-step", "clip": True},
-    # save_state mid-window, then everything built anew, load_state, skip_first_batches: must equal "gafused-clip".
-    "gafused-checkpoint-clip": {"recipe": "gafused", "clip": True, "checkpoint": True},
+    f"gafused-step-clip/{MAIN}": {"recipe": "gafused-step", "clip": True},
+    # save_state mid-window, then everything built anew, load_state, skip_first_batches: must equal gafused-clip.
+    f"gafused-checkpoint-clip/{MAIN}": {"recipe": "gafused", "clip": True, "checkpoint": True},
 }
 
 
-def _build(recipe: str, clip: bool, world: int) -> tuple[Any, ...]:
+def _build(recipe: str, clip: bool, data: str, world: int) -> tuple[Any, ...]:
     from accelerate import Accelerator
 
     import gafused.integrations.accelerate as gafused_accelerate
@@ -162,9 +174,7 @@ def _build(recipe: str, clip: bool, world: int) -> tuple[Any, ...]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    loader = torch.utils.data.DataLoader(
-        Sequences(BATCHES * world * SEQUENCES), batch_size=SEQUENCES, collate_fn=collate, shuffle=False
-    )
+    loader = torch.utils.data.DataLoader(Sequences(data, world), batch_size=SEQUENCES, collate_fn=collate)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if recipe != "accelerate":
         optimizer = gafused_accelerate.prepare(
@@ -173,22 +183,25 @@ def _build(recipe: str, clip: bool, world: int) -> tuple[Any, ...]:
     return accelerator, model, optimizer, loader, scheduler
 
 
-def run_case(recipe: str, clip: bool, checkpoint: bool = False, folder: str | None = None) -> dict[str, Any]:
+def run_case(
+    recipe: str, clip: bool, data: str = MAIN, checkpoint: bool = False, folder: str | None = None
+) -> dict[str, Any]:
     """Train one epoch through one recipe on this process; return the final params, the ids each micro-batch held,
     the learning rate of each inner step, and gafused's norms."""
     from accelerate.state import PartialState
 
     world = PartialState().num_processes
-    accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, world)
+    batches = DATA[data][1]
+    accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, data, world)
     inner = optimizer.optimizer if recipe == "accelerate" else optimizer.accumulator.optimizer
     lrs: list[float] = []
     inner.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
     seen: list[list[int]] = []
     norms: list[float] = []
     done = 0
-    batches = iter(loader)
-    while done < BATCHES:
-        batch = next(batches)
+    stream = iter(loader)
+    while done < batches:
+        batch = next(stream)
         with accelerator.accumulate(model):
             seen.append(batch["ids"].tolist())
             inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
@@ -212,12 +225,12 @@ def run_case(recipe: str, clip: bool, checkpoint: bool = False, folder: str | No
         if checkpoint and done == CHECKPOINT_AFTER:
             accelerator.save_state(folder)
             accelerator.wait_for_everyone()
-            del batches
-            accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, world)
+            del stream
+            accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, data, world)
             inner = optimizer.accumulator.optimizer
             inner.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
             accelerator.load_state(folder)
-            batches = iter(accelerator.skip_first_batches(loader, done))
+            stream = iter(accelerator.skip_first_batches(loader, done))
     module = accelerator.unwrap_model(model)
     return {
         "params": [p.detach().clone() for p in module.parameters()],
@@ -287,24 +300,40 @@ def _free_port() -> int:
 
 
 def run_ranks(out: str, world: int = 2) -> None:
+    """Run every case on ``world`` processes, forked from this one after the slow imports (transformers, accelerate:
+    seconds each), which they then share. Nothing here has started a thread pool or a process group yet."""
+    import accelerate  # noqa: F401
     import torch.multiprocessing as mp
+    import transformers.models.gpt2  # noqa: F401
 
-    mp.spawn(_rank, args=(world, _free_port(), out), nprocs=world)
+    mp.start_processes(_rank, args=(world, _free_port(), out), nprocs=world, start_method="fork")
+
+
+DESCRIPTIONS = {
+    "uneven-partial": "uneven tokens, partial last window",
+    "uneven": "uneven tokens, full windows",
+    "even-partial": "equal tokens, partial last window",
+    "even": "equal tokens, full windows",
+}
 
 
 def report(by_world: dict[int, list[dict[str, Any]]]) -> str:
     """A markdown table: each recipe's error against the float64 truth, on 1 process and on 2 ranks."""
     worlds = sorted(by_world)
-    header = " | ".join(f"error, {w} process{'es' if w > 1 else ''}" for w in worlds)
-    lines = [f"| recipe | clipping | {header} |", "| --- | --- |" + " --- |" * len(worlds)]
-    truths = {(w, clip): truth(w, clip) for w in worlds for clip in (False, True)}
+    header = " | ".join(f"{w} process{'es' if w > 1 else ''}" for w in worlds)
+    lines = [f"| recipe | data | clipping | {header} |", "| --- | --- | --- |" + " --- |" * len(worlds)]
+    truths: dict[tuple[int, bool, str], dict[str, Any]] = {}
     for name, case in CASES.items():
+        data = case.get("data", MAIN)
         cells = []
         for w in worlds:
+            key = (w, case["clip"], data)
+            if key not in truths:
+                truths[key] = truth(*key)
             result = by_world[w][0][name]
-            cells.append(result["error"] if "error" in result else f"{error(result['params'], truths[w, case['clip']]):.1e}")
+            cells.append(result["error"] if "error" in result else f"{error(result['params'], truths[key]):.1e}")
         clip = f"max norm {MAX_NORM}" if case["clip"] else "none"
-        lines.append(f"| {name} | {clip} | {' | '.join(cells)} |")
+        lines.append(f"| {name.split('/')[0]} | {DESCRIPTIONS[data]} | {clip} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

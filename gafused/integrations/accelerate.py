@@ -70,7 +70,6 @@ WINDOW_FILE = "gafused_window_{rank}.bin"  # one per process, beside Accelerate'
 # (Names, not members: older Accelerate releases lack some of them.)
 _SUPPORTED = frozenset(
     ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_SDAA", "MULTI_HPU")
-    + ("MULTI_NEURON",)
 )
 _BACKWARD_KWARGS = ("retain_graph", "create_graph", "inputs")
 
@@ -300,7 +299,8 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
 
     def load_window(models: Sequence[torch.nn.Module], input_dir: str) -> None:
         path = os.path.join(input_dir, WINDOW_FILE.format(rank=accelerator.process_index))
-        prepared._loaded_window = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
+        found = os.path.exists(path)
+        prepared._loaded_window = torch.load(path, map_location="cpu", weights_only=True) if found else None
 
     accelerator.backward = backward
     accelerator.clip_grad_norm_ = refuse_clipping(clip_norm, "clip_grad_norm_")
