@@ -21,6 +21,7 @@ import socket
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -317,23 +318,52 @@ DESCRIPTIONS = {
 }
 
 
+LABELS = {
+    "accelerate": "Accelerate's own",
+    "gafused": "Accelerate + gafused",
+    "accelerate-clip": "Accelerate's own, `clip_grad_norm_` at the sync step",
+    "gafused-clip": "Accelerate + gafused, `max_grad_norm`",
+    "gafused-step-clip": "Accelerate + gafused, `loss.backward(); optimizer.step(weight=w)`",
+    "gafused-checkpoint-clip": "Accelerate + gafused, `save_state` mid-window, resumed",
+}
+
+
 def report(by_world: dict[int, list[dict[str, Any]]]) -> str:
-    """A markdown table: each recipe's error against the float64 truth, on 1 process and on 2 ranks."""
+    """A markdown table: each recipe's error against the float64 truth, on 1 process and on 2 ranks, and below, the
+    rounding floor: plain fp32 PyTorch on the same big batches."""
     worlds = sorted(by_world)
     header = " | ".join(f"{w} process{'es' if w > 1 else ''}" for w in worlds)
     lines = [f"| recipe | data | clipping | {header} |", "| --- | --- | --- |" + " --- |" * len(worlds)]
     truths: dict[tuple[int, bool, str], dict[str, Any]] = {}
-    for name, case in CASES.items():
-        data = case.get("data", MAIN)
+
+    def row(label: str, clip: bool, data: str, params_of: Callable[[int], list[torch.Tensor] | str]) -> str:
         cells = []
         for w in worlds:
-            key = (w, case["clip"], data)
+            key = (w, clip, data)
             if key not in truths:
                 truths[key] = truth(*key)
-            result = by_world[w][0][name]
-            cells.append(result["error"] if "error" in result else f"{error(result['params'], truths[key]):.1e}")
-        clip = f"max norm {MAX_NORM}" if case["clip"] else "none"
-        lines.append(f"| {name.split('/')[0]} | {DESCRIPTIONS[data]} | {clip} | {' | '.join(cells)} |")
+            params = params_of(w)
+            cells.append(params if isinstance(params, str) else f"{error(params, truths[key]):.1e}")
+        clipping = f"max norm {MAX_NORM}" if clip else "none"
+        return f"| {label} | {DESCRIPTIONS[data]} | {clipping} | {' | '.join(cells)} |"
+
+    def run_params(name: str) -> Callable[[int], list[torch.Tensor] | str]:
+        return lambda w: by_world[w][0][name].get("error") or by_world[w][0][name]["params"]
+
+    floors = {}
+    for name, case in CASES.items():
+        data = case.get("data", MAIN)
+        lines.append(row(LABELS[name.split("/")[0]], case["clip"], data, run_params(name)))
+        floors[case["clip"], data] = None
+    for clip, data in floors:
+        lines.append(
+            row(
+                "plain fp32 PyTorch, one big batch per window",
+                clip,
+                data,
+                lambda w, clip=clip, data=data: truth(w, clip, data, torch.float32)["params"],
+            )
+        )
     return "\n".join(lines)
 
 
