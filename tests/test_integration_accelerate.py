@@ -214,6 +214,22 @@ def test_prepare_refuses_bad_input(fresh_accelerate) -> None:
         gafused_accelerate.prepare(accelerator, model, optimizer)
 
 
+def test_prepare_refuses_what_it_does_not_support(fresh_accelerate, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    accelerator, model, optimizer, _, _ = _prepared()
+    second = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(NotImplementedError, match="2 optimizers"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+    accelerator._optimizers.remove(second)
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA, DistributedType.MEGATRON_LM):
+        monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self, kind=kind: kind))
+        with pytest.raises(NotImplementedError, match=str(kind.value)):
+            gafused_accelerate.prepare(accelerator, model, optimizer)
+    assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
+
+
 def test_prepare_refuses_an_accumulator_inside_accelerates_optimizer(fresh_accelerate) -> None:
     """The recipe the issue started from: a GradAccumulator handed to accelerator.prepare() itself."""
     from accelerate import Accelerator

@@ -218,8 +218,8 @@ def prepare(
     unwrapped = accelerator.unwrap_model(model)
     if not any(prepared is model or prepared is unwrapped for prepared in accelerator._models):
         raise TypeError(f"model must be the model returned by accelerator.prepare(), got {type(model).__name__}")
-    distributed_type = accelerator.distributed_type
-    if getattr(distributed_type, "value", distributed_type) not in _SUPPORTED:
+    distributed_type = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    if distributed_type not in _SUPPORTED:
         raise NotImplementedError(
             f"accelerator: distributed_type {distributed_type} is not supported by gafused's Accelerate adapter "
             "(one process, or DDP)"
