@@ -332,3 +332,7 @@ def test_open_window_of_one_process_is_refused_across_processes(fresh_accelerate
     with pytest.raises(ValueError, match="gafused_window_"):
         other.load_state_dict(state)
     assert other.micro_step == 0
+    other._loaded_window = {**state["gafused"], "micro_step": 2}  # what the load-state hook read: another checkpoint
+    with pytest.raises(ValueError, match="different checkpoints"):
+        other.load_state_dict(state)
+    assert other.micro_step == 0

@@ -137,6 +137,14 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         """Load the accumulator's state; under ``load_state``, the open window is this process's own file's."""
         window, self._loaded_window = self._loaded_window, None
         if window is not None and isinstance(state_dict, dict):
+            # Every process is at the same position of a window: a file that disagrees belongs to another checkpoint.
+            saved = state_dict.get("gafused")
+            if isinstance(saved, dict) and saved.get("micro_step") != window.get("micro_step"):
+                raise ValueError(
+                    f"state_dict['gafused']['micro_step']: {saved.get('micro_step')!r}, but this process's window "
+                    f"file ({WINDOW_FILE}) is at micro_step {window.get('micro_step')!r}: they come from different "
+                    "checkpoints"
+                )
             state_dict = {**state_dict, "gafused": window}
         elif isinstance(state_dict, dict) and _open_window(state_dict) and self._num_processes > 1:
             raise ValueError(
