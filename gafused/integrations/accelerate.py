@@ -81,6 +81,11 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
     or the last batch of the dataloader) finishes the window and runs the inner optimizer. ``state_dict()`` is the
     accumulator's (the open window included). Build it with ``prepare``, not directly.
 
+    Args:
+        accumulator: a driven ``GradAccumulator`` (``accumulation_steps=None``) over the prepared optimizer.
+        num_processes: the accelerator's processes; with several, an open window is loaded only from each process's
+            own ``WINDOW_FILE``.
+
     Attributes:
         accumulator: the ``GradAccumulator`` (also ``self.optimizer``, as in ``AcceleratedOptimizer``).
     """
