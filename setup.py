@@ -110,6 +110,9 @@ setup(
         "test": ["pytest", "ruff", "hypothesis"],
         # tests/test_correctness.py's float64 GPT-2 proof; it skips with the reason when this is absent.
         "transformers": ["transformers"],
+        # gafused.integrations: each adapter imports its framework lazily.
+        "accelerate": ["accelerate"],
+        "lightning": ["lightning"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,

@@ -1,0 +1,9 @@
+"""Adapters for training frameworks, one module per framework, each importing its framework only when used.
+
+    gafused.integrations.accelerate     Hugging Face Accelerate     pip install "gafused[accelerate]"
+    gafused.integrations.transformers   transformers' Trainer       pip install "gafused[transformers]"
+    gafused.integrations.lightning      Lightning                   pip install "gafused[lightning]"
+
+Importing this package imports none of them; importing a module imports its framework and says how to install
+it when it is missing.
+"""

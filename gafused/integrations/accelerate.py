@@ -1,0 +1,323 @@
+"""Hugging Face Accelerate: gafused under ``with accelerator.accumulate(model):``, windows ended by Accelerate.
+
+Accelerate's recipe keeps its shape; after ``accelerator.prepare(...)`` one call hands the optimizer to gafused:
+
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    optimizer = gafused.integrations.accelerate.prepare(accelerator, model, optimizer, max_grad_norm=1.0)
+    for batch in dataloader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss                              # mean over this micro-batch's tokens
+            accelerator.backward(loss, weight=num_tokens(batch))    # no division by gradient_accumulation_steps
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerator.py`` / ``optimizer.py``):
+
+- **The window.** ``accumulate()`` sets ``accelerator.sync_gradients`` (``_do_sync``): True every
+  ``gradient_accumulation_steps``-th micro-batch and on the last batch of a prepared dataloader
+  (``end_of_dataloader``, the partial window). gafused's window is *driven* by that flag (``accumulation_steps=None``,
+  ``end_window=accelerator.sync_gradients``), so it cannot disagree with Accelerate's count: there is no second count.
+- **backward.** ``Accelerator.backward`` divides the loss by ``gradient_accumulation_steps`` (a partial window still by
+  N, every micro-batch weighted alike). ``prepare`` replaces it on this accelerator by gafused's ``backward``: no
+  division, the micro-batch's ``weight`` (token count) is given, gradients are folded during backward. fp16 loss
+  scaling goes through gafused (``grad_scaler=accelerator.scaler``).
+- **step / zero_grad.** ``AcceleratedOptimizer.step`` runs the inner step only when ``sync_gradients``; gafused needs
+  every micro-batch's ``step()`` to end it. The optimizer returned here is an ``AcceleratedOptimizer`` whose
+  ``step()`` always reaches the accumulator (the window's last finishes it) and whose ``step_was_skipped`` says
+  whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads.
+- **The scheduler** (``AcceleratedScheduler``) steps only when ``sync_gradients`` (and, without ``split_batches``,
+  ``num_processes`` times, Accelerate's convention): once per gafused window. ``prepare`` points the accelerator's
+  schedulers at the returned optimizer, so a skipped window does not advance them.
+- **Clipping.** ``accelerator.clip_grad_norm_`` would clip per micro-batch (or, at the sync step, see no gradients:
+  gafused releases them as it folds). gafused clips the finished gradient by its global norm (``max_grad_norm=``);
+  ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` on its parameters raise.
+- **DDP.** ``prepare()`` wraps the model in ``DistributedDataParallel``; it is passed to gafused as ``model=``, which
+  turns DDP's own all-reduce off and reduces each bucket once per window with the global weight sum. The
+  ``no_sync()`` that ``accumulate()`` enters is harmless.
+- **Checkpoints.** ``save_state`` saves the optimizer's ``state_dict()`` (gafused's open window included) from the
+  main process only, and ``accelerator.step`` (Accelerate's position in the window) per process. Under DDP each rank's
+  open window holds its own, unreduced, part, so a save-state hook writes every rank's window to
+  ``gafused_window_<rank>.bin`` and a load-state hook gives it back to that rank: a checkpoint taken mid-window resumes
+  bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+try:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError(
+        'gafused.integrations.accelerate needs Hugging Face Accelerate: pip install "gafused[accelerate]"'
+    ) from error
+
+from gafused.accumulator import GradAccumulator
+from gafused.buffer import DEFAULT_BUCKET_BYTES
+
+__all__ = ["AcceleratedGradAccumulator", "prepare", "WINDOW_FILE"]
+
+WINDOW_FILE = "gafused_window_{rank}.bin"  # one per process, beside Accelerate's optimizer.bin
+# Process-wise DDP and one process: what gafused owns gradient sync for. Everything else is refused by name.
+# (Names, not members: older Accelerate releases lack some of them.)
+_SUPPORTED = frozenset(
+    ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_SDAA", "MULTI_HPU")
+)
+_BACKWARD_KWARGS = ("retain_graph", "create_graph", "inputs")
+
+
+class AcceleratedGradAccumulator(AcceleratedOptimizer):
+    """The optimizer ``prepare`` returns: Accelerate's optimizer wrapper around a driven ``GradAccumulator``.
+
+    Every ``step()`` ends a micro-batch; the one where ``accelerator.sync_gradients`` is True (Accelerate's sync step,
+    or the last batch of the dataloader) finishes the window and runs the inner optimizer. ``state_dict()`` is the
+    accumulator's (the open window included). Build it with ``prepare``, not directly.
+
+    Args:
+        accumulator: a driven ``GradAccumulator`` (``accumulation_steps=None``) over the prepared optimizer.
+        num_processes: the accelerator's processes; with several, an open window is loaded only from each process's
+            own ``WINDOW_FILE``.
+
+    Attributes:
+        accumulator: the ``GradAccumulator`` (also ``self.optimizer``, as in ``AcceleratedOptimizer``).
+    """
+
+    def __init__(self, accumulator: GradAccumulator, num_processes: int = 1) -> None:
+        # No device placement (prepare() placed the inner optimizer's state already) and no scaler: the accumulator
+        # scales the loss and updates the scaler itself, once per window.
+        super().__init__(accumulator, device_placement=False, scaler=None)
+        self.accumulator = accumulator
+        self._is_accelerate_prepared = True
+        self._num_processes = num_processes
+        self._loaded_window: dict[str, Any] | None = None  # this rank's window, read by the load-state hook
+
+    # What a gafused loop reads, from the accumulator.
+    @property
+    def stepped(self) -> bool:
+        """Whether the last ``step()`` ran the inner optimizer (it finished a window that was not skipped)."""
+        return self.accumulator.stepped
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Global L2 norm of the last finished gradient, before clipping (None before the first window)."""
+        return self.accumulator.grad_norm
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches in the open window."""
+        return self.accumulator.micro_step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows skipped because their finished gradient was not finite."""
+        return self.accumulator.skipped_steps
+
+    def step(self, closure: Callable[[], Any] | None = None, *, weight: float | torch.Tensor | None = None) -> Any:
+        """End this micro-batch; at Accelerate's sync step, finish the window and step the inner optimizer.
+
+        Args:
+            closure: as in ``torch.optim.Optimizer.step``.
+            weight: for a loop that calls ``loss.backward()`` itself: this micro-batch's weight (token count). After
+                ``accelerator.backward(loss, weight=w)`` it takes none.
+        """
+        sync = self.gradient_state.sync_gradients
+        result = self.accumulator.step(closure, weight=weight, end_window=sync)
+        # What AcceleratedScheduler reads: a window that ended without an inner step was skipped (non-finite).
+        self._is_overflow = sync and not self.accumulator.stepped
+        return result
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Release the managed gradients, at every micro-batch (Accelerate's wrapper does it at sync steps only)."""
+        self.accumulator.zero_grad()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the accumulator's state; under ``load_state``, the open window is this process's own file's."""
+        window, self._loaded_window = self._loaded_window, None
+        if window is not None and isinstance(state_dict, dict):
+            # Every process is at the same position of a window: a file that disagrees belongs to another checkpoint.
+            saved = state_dict.get("gafused")
+            if isinstance(saved, dict) and saved.get("micro_step") != window.get("micro_step"):
+                raise ValueError(
+                    f"state_dict['gafused']['micro_step']: {saved.get('micro_step')!r}, but this process's window "
+                    f"file ({WINDOW_FILE}) is at micro_step {window.get('micro_step')!r}: they come from different "
+                    "checkpoints"
+                )
+            state_dict = {**state_dict, "gafused": window}
+        elif isinstance(state_dict, dict) and _open_window(state_dict) and self._num_processes > 1:
+            raise ValueError(
+                "state_dict['gafused']: this checkpoint holds an open window of one process only; under "
+                f"Accelerate each process's window is saved to {WINDOW_FILE} by accelerator.save_state(), "
+                "called on every process"
+            )
+        self.accumulator.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.accumulator.add_param_group(param_group)  # refused, with the accumulator's reason
+
+
+def _open_window(state_dict: dict[str, Any]) -> bool:
+    window = state_dict.get("gafused")
+    return isinstance(window, dict) and isinstance(window.get("micro_step"), int) and window["micro_step"] > 0
+
+
+def prepare(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: AcceleratedOptimizer,
+    *,
+    max_grad_norm: float | None = None,
+    accum_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    reduce_dtype: torch.dtype | None = None,
+    normalization: str = "mean",
+) -> AcceleratedGradAccumulator:
+    """Hand the optimizer of a prepared Accelerate loop to gafused; call it right after ``accelerator.prepare``.
+
+    The window is Accelerate's: it ends where ``accelerator.sync_gradients`` is True (every
+    ``gradient_accumulation_steps`` micro-batches inside ``accelerator.accumulate(model)``, and at the end of the
+    dataloader). On this accelerator, ``accelerator.backward(loss, weight=w)`` then folds the micro-batch with weight
+    ``w`` during backward (no division by ``gradient_accumulation_steps``), ``optimizer.step()`` ends every
+    micro-batch, gafused clips the finished gradient (``accelerator.clip_grad_norm_`` on these parameters raises),
+    and ``save_state`` / ``load_state`` carry each process's open window.
+
+    Args:
+        accelerator: the ``Accelerator`` that prepared ``model`` and ``optimizer`` (one process, or DDP).
+        model: the model ``accelerator.prepare`` returned (under DDP, the ``DistributedDataParallel`` module:
+            gafused owns its gradient sync).
+        optimizer: the optimizer ``accelerator.prepare`` returned (an ``AcceleratedOptimizer`` around a plain
+            ``torch.optim.Optimizer``, not around a ``GradAccumulator``). The accelerator's only optimizer.
+        max_grad_norm: clip the window's finished gradient to this global L2 norm; None disables clipping.
+        accum_dtype: as in ``GradAccumulator``.
+        backend: as in ``GradAccumulator``.
+        bucket_bytes: as in ``GradAccumulator``.
+        reduce_dtype: as in ``GradAccumulator`` (DDP only).
+        normalization: as in ``GradAccumulator``: ``"mean"`` for losses mean-reduced over their micro-batch (give
+            the weight), ``"sum"`` for losses already normalized over the whole window and every process.
+
+    Returns:
+        The optimizer to use from now on (replacing ``optimizer`` in the accelerator and its schedulers).
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if getattr(accelerator, "_gafused_optimizer", None) is not None:
+        raise RuntimeError("accelerator: gafused.integrations.accelerate.prepare() was already called on it")
+    if isinstance(optimizer, AcceleratedGradAccumulator):
+        raise RuntimeError("optimizer: already prepared by gafused.integrations.accelerate.prepare()")
+    if not isinstance(optimizer, AcceleratedOptimizer) or not any(optimizer is opt for opt in accelerator._optimizers):
+        raise TypeError(
+            "optimizer must be the optimizer returned by accelerator.prepare() (an AcceleratedOptimizer), got "
+            f"{type(optimizer).__name__}"
+        )
+    if isinstance(optimizer.optimizer, GradAccumulator):
+        raise TypeError(
+            "optimizer: accelerator.prepare() was given a GradAccumulator; give it the plain torch optimizer and let "
+            "gafused.integrations.accelerate.prepare() build the accumulator (its window is Accelerate's)"
+        )
+    if len(accelerator._optimizers) != 1:
+        raise NotImplementedError(
+            f"optimizer: the accelerator prepared {len(accelerator._optimizers)} optimizers; gafused's Accelerate "
+            "adapter takes over accelerator.backward() and supports one optimizer per Accelerator"
+        )
+    # Accelerate records the model it was given (the DDP wrapper is only returned); torch.compile wraps last.
+    unwrapped = accelerator.unwrap_model(model)
+    if not any(prepared is model or prepared is unwrapped for prepared in accelerator._models):
+        raise TypeError(f"model must be the model returned by accelerator.prepare(), got {type(model).__name__}")
+    distributed_type = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    if distributed_type not in _SUPPORTED:
+        raise NotImplementedError(
+            f"accelerator: distributed_type {distributed_type} is not supported by gafused's Accelerate adapter "
+            "(one process, or DDP)"
+        )
+    wrapped = getattr(model, "_orig_mod", model) if accelerator.num_processes > 1 else None  # under torch.compile
+    if wrapped is not None and not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"model: with {accelerator.num_processes} processes accelerator.prepare() returns a "
+            f"DistributedDataParallel module, got {type(model).__name__}"
+        )
+    accumulator = GradAccumulator(
+        optimizer.optimizer,
+        None,  # driven: Accelerate's sync_gradients ends the window
+        max_grad_norm,
+        accum_dtype,
+        backend,
+        accelerator.scaler,
+        bucket_bytes,
+        model=wrapped,
+        reduce_dtype=reduce_dtype,
+        normalization=normalization,
+    )
+    prepared = AcceleratedGradAccumulator(accumulator, accelerator.num_processes)
+    accelerator._optimizers[accelerator._optimizers.index(optimizer)] = prepared
+    for scheduler in accelerator._schedulers:
+        if isinstance(scheduler, AcceleratedScheduler):
+            scheduler.optimizers = [prepared if opt is optimizer else opt for opt in scheduler.optimizers]
+    _install(accelerator, prepared)
+    return prepared
+
+
+def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> None:
+    """Route this accelerator's backward through gafused, refuse its clipping of gafused's parameters, and carry
+    every process's open window through save_state / load_state."""
+    accumulator = prepared.accumulator
+    managed = {id(param) for group in accumulator.param_groups for param in group["params"]}
+    clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
+
+    def backward(loss: torch.Tensor, weight: float | torch.Tensor | None = None, **kwargs: Any) -> None:
+        """gafused's backward for Accelerate's: folds ``loss``'s gradients with ``weight`` (a token count; default 1)
+        into the window, which ends at Accelerate's sync step. The loss is not divided by gradient_accumulation_steps.
+        """
+        unknown = sorted(set(kwargs) - set(_BACKWARD_KWARGS))
+        if unknown:
+            raise TypeError(
+                f"accelerator.backward(): with gafused it takes weight= and {', '.join(_BACKWARD_KWARGS)}; got "
+                f"{', '.join(unknown)}"
+            )
+        if len(accelerator._optimizers) != 1 or accelerator._optimizers[0] is not prepared:
+            raise RuntimeError(
+                "accelerator.backward(): the accelerator now holds other optimizers than gafused's; gafused's "
+                "Accelerate adapter supports one optimizer per Accelerator"
+            )
+        accumulator.backward(loss, weight=weight, end_window=accelerator.gradient_state.sync_gradients, **kwargs)
+
+    def refuse_clipping(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def clip(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if any(id(param) in managed for param in params):
+                configured = (
+                    f"gafused already clips to max_grad_norm={accumulator.max_grad_norm}"
+                    if accumulator.max_grad_norm is not None
+                    else "pass max_grad_norm= to gafused.integrations.accelerate.prepare() instead"
+                )
+                raise RuntimeError(
+                    f"accelerator.{name}(): gafused holds these parameters' gradients in its window (they are "
+                    "released as they are folded) and clips the window's finished gradient by its global norm; "
+                    f"{configured}, and drop this call (the norm is optimizer.grad_norm)"
+                )
+            return original(params, *args, **kwargs)
+
+        return clip
+
+    def save_window(models: Sequence[torch.nn.Module], weights: Sequence[Any], output_dir: str) -> None:
+        rank = accelerator.process_index
+        torch.save(accumulator.state_dict()["gafused"], os.path.join(output_dir, WINDOW_FILE.format(rank=rank)))
+
+    def load_window(models: Sequence[torch.nn.Module], input_dir: str) -> None:
+        path = os.path.join(input_dir, WINDOW_FILE.format(rank=accelerator.process_index))
+        found = os.path.exists(path)
+        prepared._loaded_window = torch.load(path, map_location="cpu", weights_only=True) if found else None
+
+    accelerator.backward = backward
+    accelerator.clip_grad_norm_ = refuse_clipping(clip_norm, "clip_grad_norm_")
+    accelerator.clip_grad_value_ = refuse_clipping(clip_value, "clip_grad_value_")
+    accelerator.register_save_state_pre_hook(save_window)
+    accelerator.register_load_state_pre_hook(load_window)
+    accelerator._gafused_optimizer = prepared

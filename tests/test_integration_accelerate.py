@@ -1,0 +1,338 @@
+"""gafused.integrations.accelerate: Accelerate's accumulate() recipe against a float64 token-weighted big batch.
+
+The recipes and the data are in tests/accelerate_cases.py: a tiny GPT-2 from a config, micro-batches of very uneven
+token counts, Accelerator(gradient_accumulation_steps=4) over 10 micro-batches per process (windows 4, 4 and a partial
+2 at the end of the dataloader), SGD and a LambdaLR scheduler prepared by Accelerate. One process runs here, in
+pytest's; two gloo ranks (Accelerate's MULTI_CPU) run once in a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import accelerate_cases as cases  # noqa: E402 - after the skips: it needs both
+
+import gafused  # noqa: E402
+import gafused.integrations.accelerate as gafused_accelerate  # noqa: E402
+
+# |p - p_truth| / |p_truth - p0| of fp32 training against the float64 truth: float32 rounding of forward, backward and
+# the sums over 3 windows (plain fp32 PyTorch on the same big batch lands inside it: the baseline test).
+FP32_ERROR = 2e-5
+GAFUSED_CASES = [name for name, case in cases.CASES.items() if case["recipe"] != "accelerate"]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """A tiny model: torch's threads cost more than they give (and the two ranks run beside)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate keeps its state in process-wide singletons: each in-process test starts and ends clean."""
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+    """Every case: on 2 ranks in a subprocess and, meanwhile, on one process here (one torch thread each)."""
+    out = tmp_path_factory.mktemp("accelerate") / "two.pt"
+    script = Path(cases.__file__)
+    ranks = subprocess.Popen(
+        [sys.executable, str(script), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=script.parent,
+    )
+    _reset_accelerate()
+    try:
+        with _one_thread():
+            one = [cases.run_all()]
+    finally:
+        _reset_accelerate()
+        _, stderr = ranks.communicate(timeout=600)
+    assert ranks.returncode == 0, stderr[-4000:]
+    return {1: one, 2: torch.load(out, weights_only=False)}
+
+
+class _Truths(dict):
+    """The float64 truth of (world, clip, data), computed when first asked for."""
+
+    def __missing__(self, key: tuple[int, bool, str]) -> dict:
+        with _one_thread():
+            self[key] = cases.truth(*key)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def truths() -> _Truths:
+    return _Truths()
+
+
+def _truth(truths: _Truths, world: int, name: str) -> dict:
+    case = cases.CASES[name]
+    return truths[world, case["clip"], case.get("data", cases.MAIN)]
+
+
+def _result(runs: dict[int, list[dict]], world: int, name: str, rank: int = 0) -> dict:
+    result = runs[world][rank][name]
+    assert "error" not in result, f"{name} on {world} process(es), rank {rank}: {result['error']}"
+    return result
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_plain_fp32_baseline_is_within_the_bound(truths: _Truths, world: int) -> None:
+    baseline = cases.error(
+        cases.truth(world, True, cases.MAIN, torch.float32)["params"], truths[world, True, cases.MAIN]
+    )
+    assert 0 < baseline < FP32_ERROR
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", GAFUSED_CASES)
+def test_matches_float64_big_batch(runs: dict, truths: _Truths, world: int, name: str) -> None:
+    """Token weights, a partial last window, clipping by the global norm, one scheduler step per window."""
+    clip = cases.CASES[name]["clip"]
+    truth = _truth(truths, world, name)
+    for rank in range(world):
+        result = _result(runs, world, name, rank)
+        assert cases.error(result["params"], truth) < FP32_ERROR
+        assert result["norms"] == pytest.approx(truth["norms"], rel=1e-5)
+        assert result["lrs"] == truth["lrs"]  # the scheduler moved once per window, as Accelerate steps it
+        assert result["micro_step"] == 0  # the partial window at the end of the dataloader was finished
+    if clip:  # every window's norm is above the threshold: clipping was exercised
+        assert min(truth["norms"]) > cases.MAX_NORM
+
+
+ACCELERATE_CASES = [name for name, case in cases.CASES.items() if case["recipe"] == "accelerate"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ACCELERATE_CASES)
+def test_accelerates_own_accumulation(runs: dict, truths: _Truths, world: int, name: str) -> None:
+    """Accelerate's recipe on the same data: exact where its assumptions hold (equal tokens, full windows: the truth
+    and the data assignment are right), far off with uneven tokens or a partial window (per-micro-batch means, the
+    partial window divided by 4 too): the gafused cases' agreement is not an accident of the data."""
+    result = _result(runs, world, name)
+    error = cases.error(result["params"], _truth(truths, world, name))
+    if name == "accelerate/even":
+        assert error < FP32_ERROR
+    else:
+        assert error > 0.05
+    assert result["lrs"] == _truth(truths, world, name)["lrs"]  # same schedule: the difference is the gradient
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_micro_batches_are_the_ones_the_truth_uses(runs: dict, world: int) -> None:
+    for rank in range(world):
+        for name, case in cases.CASES.items():
+            batches = cases.DATA[case.get("data", cases.MAIN)][1]
+            expected = [cases.global_batch(world, rank, micro) for micro in range(batches)]
+            assert _result(runs, world, name, rank)["seen"] == expected
+
+
+@pytest.mark.parametrize("name", list(cases.CASES))
+def test_ranks_agree_bitwise(runs: dict, name: str) -> None:
+    first, second = _result(runs, 2, name, 0), _result(runs, 2, name, 1)
+    assert first["norms"] == second["norms"]
+    for a, b in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_save_state_mid_window_resumes_bitwise(runs: dict, world: int) -> None:
+    """save_state after the first micro-batch of window 1, everything built anew, load_state, skip_first_batches."""
+    assert cases.CHECKPOINT_AFTER % cases.GA != 0  # mid-window
+    for rank in range(world):
+        resumed = _result(runs, world, f"gafused-checkpoint-clip/{cases.MAIN}", rank)
+        straight = _result(runs, world, f"gafused-clip/{cases.MAIN}", rank)
+        assert resumed["norms"] == straight["norms"]
+        for a, b in zip(resumed["params"], straight["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+# --- in-process checks, one process ----------------------------------------------------------------------------------
+
+
+def _prepared(clip: float | None = None, steps: int = 2, batches: int = 5):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=steps, cpu=True)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(batches)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    return accelerator, model, optimizer, loader, scheduler
+
+
+def test_prepare_refuses_bad_input(fresh_accelerate) -> None:
+    accelerator, model, optimizer, _, _ = _prepared()
+    with pytest.raises(TypeError, match="accelerator must be"):
+        gafused_accelerate.prepare(object(), model, optimizer)
+    with pytest.raises(TypeError, match="optimizer must be the optimizer returned by accelerator.prepare"):
+        gafused_accelerate.prepare(accelerator, model, optimizer.optimizer)
+    with pytest.raises(TypeError, match="model must be the model returned by accelerator.prepare"):
+        gafused_accelerate.prepare(accelerator, torch.nn.Linear(3, 2), optimizer)
+    with pytest.raises(TypeError, match="accumulation_steps"):  # the window is Accelerate's: no second count
+        gafused_accelerate.prepare(accelerator, model, optimizer, accumulation_steps=4)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        gafused_accelerate.prepare(accelerator, model, optimizer, max_grad_norm=-1.0)
+    # A refused call changed nothing: the accelerator still holds Accelerate's optimizer and its own methods.
+    assert accelerator._optimizers == [optimizer]
+    assert "backward" not in vars(accelerator)
+    prepared = gafused_accelerate.prepare(accelerator, model, optimizer)
+    assert accelerator._optimizers == [prepared]
+    assert accelerator._schedulers[0].optimizers == [prepared]
+    with pytest.raises(RuntimeError, match="already called"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+
+
+def test_prepare_refuses_what_it_does_not_support(fresh_accelerate, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    accelerator, model, optimizer, _, _ = _prepared()
+    second = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(NotImplementedError, match="2 optimizers"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+    accelerator._optimizers.remove(second)
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA, DistributedType.MEGATRON_LM):
+        monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self, kind=kind: kind))
+        with pytest.raises(NotImplementedError, match=str(kind.value)):
+            gafused_accelerate.prepare(accelerator, model, optimizer)
+    assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
+
+
+def test_prepare_refuses_an_accumulator_inside_accelerates_optimizer(fresh_accelerate) -> None:
+    """The recipe the issue started from: a GradAccumulator handed to accelerator.prepare() itself."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = torch.nn.Linear(3, 2)
+    accumulator = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model, optimizer = accelerator.prepare(model, accumulator)
+    with pytest.raises(TypeError, match="was given a GradAccumulator"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("method", ["clip_grad_norm_", "clip_grad_value_"])
+def test_accelerates_clipping_is_refused(fresh_accelerate, max_grad_norm: float | None, method: str) -> None:
+    accelerator, model, optimizer, loader, _ = _prepared()
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer, max_grad_norm=max_grad_norm)
+    batch = next(iter(loader))
+    with accelerator.accumulate(model):
+        accelerator.backward(model(batch).square().mean(), weight=4)
+        expected = "already clips to max_grad_norm=1.0" if max_grad_norm else "pass max_grad_norm="
+        with pytest.raises(RuntimeError, match=expected):
+            getattr(accelerator, method)(model.parameters(), 0.5)
+        optimizer.step()  # the refusal changed nothing: the micro-batch ends as usual
+    assert optimizer.micro_step == 1
+    other = torch.nn.Parameter(torch.ones(2))  # not gafused's: Accelerate clips it as before
+    other.grad = torch.full((2,), 3.0)
+    accelerator.clip_grad_norm_([other], 1.0)
+    assert other.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_backward_refuses_unknown_arguments(fresh_accelerate) -> None:
+    accelerator, model, optimizer, loader, _ = _prepared()
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    batch = next(iter(loader))
+    with accelerator.accumulate(model), pytest.raises(TypeError, match="learning_rate"):
+        accelerator.backward(model(batch).square().mean(), learning_rate=0.1)
+    assert optimizer.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
+    """gradient_accumulation_steps=2 over 5 batches: inner steps after micro-batches 2, 4 and 5 (end of the data),
+    each on the weighted mean of its window, and the scheduler steps once per window."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=5)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    reference = torch.nn.Linear(3, 2).double()
+    reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
+    stepped, batches = [], list(loader)
+    windows = [[0, 1], [2, 3], [4]]
+    for window_index, window in enumerate(windows):
+        reference.zero_grad()
+        weights = [1.0 + i for i in window]
+        total = sum(w * reference(batches[i].double()).square().mean() for w, i in zip(weights, window, strict=True))
+        (total / sum(weights)).backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 / (1 + window_index) * p.grad
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).square().mean(), weight=1.0 + index)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        stepped.append(optimizer.stepped)
+    assert stepped == [False, True, False, True, True]
+    assert scheduler.scheduler.last_epoch == 3
+    for p, r in zip(accelerator.unwrap_model(model).parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.double(), r, rtol=1e-6, atol=1e-7)  # fp32 rounding of a 3x2 linear model
+
+
+def test_skipped_window_does_not_step_the_scheduler(fresh_accelerate) -> None:
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = model(batch).square().mean() * (math.inf if index == 1 else 1.0)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if index == 1:
+            assert optimizer.step_was_skipped and accelerator.optimizer_step_was_skipped
+    assert optimizer.skipped_steps == 1
+    assert scheduler.scheduler.last_epoch == 1  # the second window only
+
+
+def test_open_window_of_one_process_is_refused_across_processes(fresh_accelerate) -> None:
+    """Accelerate saves optimizer.bin from the main process only: under DDP, loading its open window into every
+    process would give them rank 0's part; without the per-process window file it is refused."""
+    accelerator, model, optimizer, loader, _ = _prepared()
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    with accelerator.accumulate(model):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+        optimizer.step()
+    state = optimizer.state_dict()
+    assert state["gafused"]["micro_step"] == 1
+    other = gafused_accelerate.AcceleratedGradAccumulator(
+        gafused.GradAccumulator(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), None), num_processes=2
+    )
+    with pytest.raises(ValueError, match="gafused_window_"):
+        other.load_state_dict(state)
+    assert other.micro_step == 0
+    other._loaded_window = {**state["gafused"], "micro_step": 2}  # what the load-state hook read: another checkpoint
+    with pytest.raises(ValueError, match="different checkpoints"):
+        other.load_state_dict(state)
+    assert other.micro_step == 0
