@@ -56,7 +56,8 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as error:  # pragma: no cover - exercised only without lightning
     raise ImportError(
-        'gafused.integrations.lightning needs Lightning 2.x (import lightning.pytorch): pip install "gafused[lightning]"'
+        "gafused.integrations.lightning needs Lightning 2.x (import lightning.pytorch): "
+        'pip install "gafused[lightning]"'
     ) from error
 
 from gafused.accumulator import GradAccumulator
@@ -228,6 +229,9 @@ class GradAccumulation(Callback):
         if stage == "fit":
             self._detach()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()  # Lightning calls no teardown hook when fit raises
+
     def _attach(self, pl_module: pl.LightningModule) -> None:
         """Route the module's backward through the accumulator (an instance attribute; removed at teardown)."""
         self._detach()
@@ -241,7 +245,9 @@ class GradAccumulation(Callback):
 
     # --- every batch ---------------------------------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_weight = None if self.weight is None else self.weight(batch)
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
