@@ -320,25 +320,31 @@ def spawn_ranks(out: str) -> None:
 
 def report(ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]]) -> str:
     rows = [
-        "| recipe | processes | param error vs float64 truth | optimizer steps (windows) | ranks bitwise equal |",
-        "| --- | --- | --- | --- | --- |",
+        "| recipe | processes | param error vs float64 truth | grad_norm error | learning rate per window as "
+        "scheduled | ranks bitwise equal |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    expected_lrs = [LR * lr_factor(window) for window in range(len(WINDOWS))]
     for world, results in ((1, [single]), (WORLD, ranks)):
-        truth_params, initial, _ = truth(world)
+        truth_params, initial, truth_norms = truth(world)
         floor = error(plain_fp32(world), truth_params, initial)
-        rows.append(f"| plain fp32 big batch (rounding floor) | {world} | {floor:.1e} | {len(WINDOWS)} | - |")
+        rows.append(f"| plain fp32 big batch (the rounding floor) | {world} | {floor:.1e} | - | - | - |")
         for recipe in RECIPES:
             first = results[0][recipe]
             if "error" in first:
-                rows.append(f"| {recipe} | {world} | failed: {first['error'].splitlines()[0]} | - | - |")
+                rows.append(f"| {recipe} | {world} | failed: {first['error'].splitlines()[0]} | - | - | - |")
                 continue
             equal = all(
                 all(torch.equal(a, b) for a, b in zip(first["params"], other[recipe]["params"], strict=True))
                 for other in results[1:]
             )
+            norms = first["norms"]
+            norm_error = (
+                f"{max(abs(n - t) / t for n, t in zip(norms, truth_norms, strict=True)):.1e}" if norms else "-"
+            )
             rows.append(
-                f"| {recipe} | {world} | {error(first['params'], truth_params, initial):.1e} | {len(first['lrs'])} "
-                f"| {'-' if world == 1 else 'yes' if equal else 'NO'} |"
+                f"| {recipe} | {world} | {error(first['params'], truth_params, initial):.1e} | {norm_error} "
+                f"| {'yes' if first['lrs'] == expected_lrs else 'NO'} | {'-' if world == 1 else 'yes' if equal else 'NO'} |"
             )
     return "\n".join(rows)
 

@@ -248,3 +248,17 @@ def test_reduce_dtype_without_ddp_is_refused() -> None:
     callback = GradAccumulation(reduce_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="reduce_dtype"):
         _quiet_trainer(callbacks=[callback], limit_train_batches=2).fit(TinyLM(0))
+
+
+def test_a_window_lightning_abandons_is_not_merged_silently() -> None:
+    """on_train_batch_start returning -1 mid-window ends the epoch without stepping; Lightning would drop those
+    gradients at the next window's zero_grad. gafused refuses to fold them into the next epoch's first window."""
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Abandoning(TinyLM):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            return -1 if self.current_epoch == 0 and batch_idx == cases.CHECKPOINT_AFTER else None
+
+    callback = GradAccumulation(weight=cases.tokens)
+    with pytest.raises(RuntimeError, match="new window at batch 0, but 1 micro-batch"):
+        _quiet_trainer(callbacks=[callback], max_epochs=2).fit(Abandoning(0))

@@ -248,6 +248,14 @@ class GradAccumulation(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        accumulator = self._require_accumulator()
+        if batch_idx % trainer.accumulate_grad_batches == 0 and accumulator.micro_step != 0:
+            # Lightning starts a window here (it zeroes p.grad on this batch), but gafused's is still open.
+            raise RuntimeError(
+                f"GradAccumulation: Lightning starts a new window at batch {batch_idx}, but {accumulator.micro_step} "
+                "micro-batch(es) of the previous one were never stepped (did on_train_batch_start return -1 in the "
+                "middle of a window?). Lightning would drop their gradients; gafused does not drop them silently"
+            )
         self._batch_weight = None if self.weight is None else self.weight(batch)
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
