@@ -342,9 +342,11 @@ def report(ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]]) -> st
             norm_error = (
                 f"{max(abs(n - t) / t for n, t in zip(norms, truth_norms, strict=True)):.1e}" if norms else "-"
             )
+            scheduled = "yes" if first["lrs"] == expected_lrs else "NO"
+            bitwise = "-" if world == 1 else "yes" if equal else "NO"
             rows.append(
                 f"| {recipe} | {world} | {error(first['params'], truth_params, initial):.1e} | {norm_error} "
-                f"| {'yes' if first['lrs'] == expected_lrs else 'NO'} | {'-' if world == 1 else 'yes' if equal else 'NO'} |"
+                f"| {scheduled} | {bitwise} |"
             )
     return "\n".join(rows)
 
