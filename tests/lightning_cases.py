@@ -11,6 +11,8 @@ norm is clipped. Each case is one recipe:
 
 - ``lightning``: Lightning's own accumulation (loss / N per micro-batch, ``gradient_clip_val``);
 - ``gafused``: the same module and Trainer with ``callbacks=[GradAccumulation(weight=tokens, max_grad_norm=...)]``;
+- ``gafused-unweighted``: the same without ``weight=`` (every micro-batch weighs 1), against the mean of the
+  micro-batch means, where the partial window is the only difference from Lightning's own accumulation;
 - ``*-resumed``: the same run, stopped after batch ``CHECKPOINT_AFTER`` (mid-window) by ``trainer.save_checkpoint``
   in one fit, and resumed with ``trainer.fit(..., ckpt_path=...)`` in a fresh Trainer and module.
 
@@ -237,7 +239,9 @@ def run(recipe: str, rank: int, world: int, folder: str) -> dict[str, Any]:
         )
 
     def accumulation() -> GradAccumulation | None:
-        return GradAccumulation(weight=tokens, max_grad_norm=MAX_NORM) if gafused else None
+        if not gafused:
+            return None
+        return GradAccumulation(weight=None if "unweighted" in recipe else tokens, max_grad_norm=MAX_NORM)
 
     result: dict[str, Any] = {}
     lrs: list[float] = []
@@ -266,7 +270,9 @@ def run(recipe: str, rank: int, world: int, folder: str) -> dict[str, Any]:
     return result
 
 
-RECIPES = ["lightning", "gafused", "lightning-resumed", "gafused-resumed"]
+RECIPES = ["lightning", "gafused", "gafused-unweighted", "lightning-resumed", "gafused-resumed"]
+# The recipes to compare with the mean of the micro-batch means (every micro-batch weighs 1) too.
+UNWEIGHTED = {"lightning", "gafused-unweighted"}
 
 
 def run_all(rank: int, world: int, folder: str) -> dict[str, dict[str, Any]]:
@@ -320,34 +326,38 @@ def spawn_ranks(out: str) -> None:
 
 def report(ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]]) -> str:
     rows = [
-        "| recipe | processes | param error vs float64 truth | grad_norm error | learning rate per window as "
-        "scheduled | ranks bitwise equal |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| recipe | processes | truth | param error vs float64 truth | grad_norm error | learning rate per window "
+        "as scheduled | ranks bitwise equal |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     expected_lrs = [LR * lr_factor(window) for window in range(len(WINDOWS))]
     for world, results in ((1, [single]), (WORLD, ranks)):
-        truth_params, initial, truth_norms = truth(world)
-        floor = error(plain_fp32(world), truth_params, initial)
-        rows.append(f"| plain fp32 big batch (the rounding floor) | {world} | {floor:.1e} | - | - | - |")
+        truths = {True: truth(world), False: truth(world, weighted=False)}
+        floor = error(plain_fp32(world), *truths[True][:2])
+        rows.append(f"| plain fp32 big batch (the rounding floor) | {world} | tokens | {floor:.1e} | - | - | - |")
         for recipe in RECIPES:
             first = results[0][recipe]
             if "error" in first:
-                rows.append(f"| {recipe} | {world} | failed: {first['error'].splitlines()[0]} | - | - | - |")
+                rows.append(f"| {recipe} | {world} | - | failed: {first['error'].splitlines()[0]} | - | - | - |")
                 continue
             equal = all(
                 all(torch.equal(a, b) for a, b in zip(first["params"], other[recipe]["params"], strict=True))
                 for other in results[1:]
             )
-            norms = first["norms"]
-            norm_error = (
-                f"{max(abs(n - t) / t for n, t in zip(norms, truth_norms, strict=True)):.1e}" if norms else "-"
-            )
             scheduled = "yes" if first["lrs"] == expected_lrs else "NO"
             bitwise = "-" if world == 1 else "yes" if equal else "NO"
-            rows.append(
-                f"| {recipe} | {world} | {error(first['params'], truth_params, initial):.1e} | {norm_error} "
-                f"| {scheduled} | {bitwise} |"
-            )
+            for weighted in (True, False):
+                if (recipe in UNWEIGHTED) != (not weighted) and recipe != "lightning":
+                    continue
+                truth_params, initial, truth_norms = truths[weighted]
+                norms = first["norms"]
+                norm_error = (
+                    f"{max(abs(n - t) / t for n, t in zip(norms, truth_norms, strict=True)):.1e}" if norms else "-"
+                )
+                rows.append(
+                    f"| {recipe} | {world} | {'tokens' if weighted else 'mean of means'} "
+                    f"| {error(first['params'], truth_params, initial):.1e} | {norm_error} | {scheduled} | {bitwise} |"
+                )
     return "\n".join(rows)
 
 
