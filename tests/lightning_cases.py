@@ -6,7 +6,7 @@
 A tiny GPT-2 (from a config, no download) trains for one epoch of ``BATCHES`` micro-batches per rank, N = 3, so the
 windows hold 3, 3, 3 and 2 micro-batches (the last one partial, ended by Lightning at the end of the epoch). Sequence
 lengths differ across micro-batches and ranks (padding labelled -100), the optimizer is SGD (a scale error shows in
-the parameters), a LambdaLR schedule with ``interval="step"`` halves... the learning rate per window, and the global
+the parameters), a LambdaLR schedule with ``interval="step"`` (lr / (1 + window)), and the global
 norm is clipped. Each case is one recipe:
 
 - ``lightning``: Lightning's own accumulation (loss / N per micro-batch, ``gradient_clip_val``);

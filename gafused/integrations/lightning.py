@@ -77,8 +77,8 @@ class _LightningAccumulator(GradAccumulator):
     gradients accumulated so far.
     """
 
-    _in_step = False  # inside Lightning's step(closure): a backward now must be a window's last
-    _end_declared = False  # a backward declared the window's end; its step() has not come yet
+    _lightning_in_step = False  # inside Lightning's step(closure): a backward now must be a window's last
+    _lightning_end_declared = False  # a backward declared the window's end; its step() has not come yet
 
     @torch._disable_dynamo
     def step(
@@ -93,14 +93,14 @@ class _LightningAccumulator(GradAccumulator):
                 "step(): under GradAccumulation, Lightning steps the accumulator (optimizer.step(closure) on the last "
                 "batch of each window); it takes no weight or end_window. Do not step it yourself"
             )
-        self._in_step = True
+        self._lightning_in_step = True
         try:
             with torch.enable_grad():
                 result = closure()
         finally:
-            self._in_step = False
-        if self._end_declared:
-            self._end_declared = False
+            self._lightning_in_step = False
+        if self._lightning_end_declared:
+            self._lightning_end_declared = False
             GradAccumulator.step(self)  # ends the micro-batch whose backward declared the window's end
         else:
             self.flush()  # training_step returned None on the window's last batch: finish the window without it
@@ -270,16 +270,16 @@ class GradAccumulation(Callback):
             )
         trainer = module.trainer
         sync = not trainer.fit_loop._should_accumulate()
-        if accumulator._in_step and not sync:
+        if accumulator._lightning_in_step and not sync:
             raise RuntimeError(
                 "GradAccumulation: Lightning stepped the optimizer on a batch its accumulation rule says only "
                 "accumulates; the callback does not know this Lightning version's windows"
             )
-        if accumulator._end_declared:
+        if accumulator._lightning_end_declared:
             raise RuntimeError(
                 "GradAccumulation: the previous batch ended a window but Lightning did not step the optimizer"
             )
-        if sync and not accumulator._in_step:
+        if sync and not accumulator._lightning_in_step:
             raise RuntimeError(
                 "GradAccumulation: this batch ends a window by Lightning's rule, but its backward runs outside "
                 "optimizer.step(closure); the callback does not know this Lightning version's windows"
@@ -293,7 +293,7 @@ class GradAccumulation(Callback):
                 error.add_note(f"gafused: the weight came from GradAccumulation(weight={self.weight!r}) on this batch")
             raise
         if sync:
-            accumulator._end_declared = True
+            accumulator._lightning_end_declared = True
         else:
             GradAccumulator.step(accumulator)  # end the micro-batch: Lightning calls no optimizer method here
 
@@ -302,8 +302,8 @@ class GradAccumulation(Callback):
     ) -> None:
         self._batch_weight = None
         accumulator = self._require_accumulator()
-        if accumulator._end_declared:
-            accumulator._end_declared = False
+        if accumulator._lightning_end_declared:
+            accumulator._lightning_end_declared = False
             raise RuntimeError(
                 "GradAccumulation: this batch ended a window by Lightning's rule but Lightning did not step the "
                 "optimizer; the callback does not know this Lightning version's windows"
