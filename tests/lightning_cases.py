@@ -34,7 +34,6 @@ import torch
 WORLD = 2
 N = 3  # accumulate_grad_batches
 BATCHES = 11  # micro-batches per rank in the epoch: windows of 3, 3, 3 and 2
-WINDOWS = [N] * (BATCHES // N) + ([BATCHES % N] if BATCHES % N else [])
 CHECKPOINT_AFTER = 4  # 0-based batch after which the resumed cases checkpoint: the 2nd window holds 2 of its 3
 LR = 0.5
 MAX_NORM = 0.7  # below some windows' norms and above others, on 1 process and on 2 ranks
@@ -79,22 +78,30 @@ def tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"][..., 1:] != -100).sum()
 
 
+def epoch_windows(batches: int = BATCHES, n: int = N) -> list[list[int]]:
+    """The batch indices of each window of an epoch, as Lightning cuts them: every n, and the rest."""
+    return [list(range(start, min(start + n, batches))) for start in range(0, batches, n)]
+
+
 def truth(
-    world: int, skip: frozenset[int] | set[int] = frozenset(), weighted: bool = True
+    world: int,
+    skip: frozenset[int] | set[int] = frozenset(),
+    weighted: bool = True,
+    windows: list[list[int]] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
     """Float64, one process: a step per window on the token-weighted big batch of ``world`` ranks' micro-batches
-    (``weighted=False``: the mean of the micro-batch means), leaving out the batch indices in ``skip``. Returns the
-    final parameters, the initial ones and each window's gradient norm (before clipping)."""
+    (``weighted=False``: the mean of the micro-batch means), leaving out the batch indices in ``skip``. ``windows``:
+    the batch indices of each window (default: one epoch of ``BATCHES``, N = ``N``). Returns the final parameters,
+    the initial ones and each window's gradient norm (before clipping)."""
     model = make_model(torch.float64)
     initial = [p.detach().clone() for p in model.parameters()]
     norms = []
-    start = 0
-    for window, count in enumerate(WINDOWS):
+    for window, indices in enumerate(epoch_windows() if windows is None else windows):
         model.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         weight_sum = 0
         for rank in range(world):
-            for index in range(start, start + count):
+            for index in indices:
                 if index in skip:
                     continue
                 batch = micro_batch(rank, index)
@@ -106,17 +113,15 @@ def truth(
         with torch.no_grad():
             for p in model.parameters():
                 p -= LR * lr_factor(window) * p.grad
-        start += count
     return [p.detach().clone() for p in model.parameters()], initial, norms
 
 
 def plain_fp32(world: int) -> list[torch.Tensor]:
     """Plain fp32 PyTorch on the same big batches: the rounding a float32 run cannot avoid."""
     model = make_model()
-    start = 0
-    for window, count in enumerate(WINDOWS):
+    for window, indices in enumerate(epoch_windows()):
         model.zero_grad()
-        batches = [micro_batch(rank, i) for rank in range(world) for i in range(start, start + count)]
+        batches = [micro_batch(rank, i) for rank in range(world) for i in indices]
         weights = [int(tokens(batch)) for batch in batches]
         total = sum(model(**batch).loss * weight for batch, weight in zip(batches, weights, strict=True))
         (total / sum(weights)).backward()
@@ -124,7 +129,6 @@ def plain_fp32(world: int) -> list[torch.Tensor]:
         with torch.no_grad():
             for p in model.parameters():
                 p -= LR * lr_factor(window) * p.grad
-        start += count
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -145,16 +149,19 @@ def _lightning_classes() -> tuple[type, type, type]:
     import lightning.pytorch as pl
 
     class Batches:
-        """One rank's micro-batches as a sized, resumable iterable (Lightning saves and loads its position)."""
+        """One rank's micro-batches as a sized, resumable iterable: each iteration starts at 0, or where the state
+        Lightning loaded from a checkpoint says (as torchdata's StatefulDataLoader does)."""
 
         def __init__(self, rank: int) -> None:
             self.rank = rank
             self.position = 0
+            self.resume_at: int | None = None
 
         def __len__(self) -> int:
             return BATCHES
 
         def __iter__(self):
+            self.position, self.resume_at = self.resume_at or 0, None
             while self.position < BATCHES:
                 index = self.position
                 self.position += 1
@@ -164,7 +171,7 @@ def _lightning_classes() -> tuple[type, type, type]:
             return {"position": self.position}
 
         def load_state_dict(self, state: dict[str, int]) -> None:
-            self.position = state["position"]
+            self.resume_at = state["position"]
 
     class TinyLM(pl.LightningModule):
         """The recipe people copy: training_step returns the micro-batch's mean loss, configure_optimizers the
@@ -330,7 +337,7 @@ def report(ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]]) -> st
         "as scheduled | ranks bitwise equal |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    expected_lrs = [LR * lr_factor(window) for window in range(len(WINDOWS))]
+    expected_lrs = [LR * lr_factor(window) for window in range(len(epoch_windows()))]
     for world, results in ((1, [single]), (WORLD, ranks)):
         truths = {True: truth(world), False: truth(world, weighted=False)}
         floor = error(plain_fp32(world), *truths[True][:2])

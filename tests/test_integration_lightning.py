@@ -120,7 +120,7 @@ def test_lightning_own_accumulation_is_far_off_on_this_data(
 
 @pytest.mark.parametrize("world", [1, cases.WORLD], ids=["1-process", "2-ranks"])
 def test_scheduler_steps_once_per_window(single: dict, ranks: list[dict], world: int) -> None:
-    expected = [cases.LR * cases.lr_factor(window) for window in range(len(cases.WINDOWS))]
+    expected = [cases.LR * cases.lr_factor(window) for window in range(len(cases.epoch_windows()))]
     for results in _results(single, ranks, world):
         for recipe in ("gafused", "gafused-resumed"):
             assert _result(results, recipe)["lrs"] == expected
@@ -157,7 +157,26 @@ def test_training_step_returning_none_on_a_window_end() -> None:
     _quiet_trainer(callbacks=[GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM)]).fit(module)
     truth_params, initial, _ = cases.truth(1, skip=skipped)
     assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
-    assert len(module.lrs) == len(cases.WINDOWS)
+    assert len(module.lrs) == len(cases.epoch_windows())
+
+
+def test_accumulation_that_changes_per_epoch() -> None:
+    """Lightning's GradientAccumulationScheduler changes N between epochs (2, then 4 over 6 batches: a partial
+    window of 2): the windows follow it, each still the token-weighted big batch."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    _, TinyLM, _ = cases._lightning_classes()
+    module = TinyLM(0)
+    callbacks = [
+        GradientAccumulationScheduler({0: 2, 1: 4}),
+        GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM),
+    ]
+    trainer = _quiet_trainer(callbacks=callbacks, accumulate_grad_batches=1, max_epochs=2, limit_train_batches=6)
+    trainer.fit(module)
+    windows = cases.epoch_windows(6, 2) + cases.epoch_windows(6, 4)
+    truth_params, initial, _ = cases.truth(1, windows=windows)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+    assert module.lrs == [cases.LR * cases.lr_factor(window) for window in range(len(windows))]
 
 
 def test_the_trainer_holds_the_accumulator() -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -224,6 +225,17 @@ class GradAccumulation(Callback):
         if window is not None:  # rank 0's window came with Lightning's optimizer_states
             accumulator = self._require_accumulator()
             accumulator.load_state_dict({"optimizer": accumulator.optimizer.state_dict(), "gafused": window})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        accumulator = self._require_accumulator()
+        if accumulator.micro_step != 0:
+            warnings.warn(
+                f"GradAccumulation: training ended with {accumulator.micro_step} micro-batch(es) in a window Lightning "
+                "did not step (stopped mid-window, or the data ran out before the length it announced); they were not "
+                "applied, as with Lightning's own accumulation. The window is in the accumulator's state_dict()",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
