@@ -1,0 +1,278 @@
+"""Lightning: ``Trainer(accumulate_grad_batches=N)`` plus ``GradAccumulation`` against a float64 big batch.
+
+The model, data and recipes are tests/lightning_cases.py: a tiny GPT-2, micro-batches of very different token
+counts, N = 3 over an epoch of 11 batches (windows of 3, 3, 3 and a partial 2), SGD, a per-step LambdaLR schedule,
+clipping. One process runs in this process; 2 gloo ranks under Lightning's DDP strategy run once, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="needs Lightning: pip install 'gafused[lightning]'")
+pytest.importorskip("transformers", reason="the tiny GPT-2 needs transformers: pip install 'gafused[transformers]'")
+
+import lightning.pytorch as pl  # noqa: E402
+import lightning_cases as cases  # noqa: E402
+
+import gafused  # noqa: E402
+from gafused.integrations.lightning import GradAccumulation  # noqa: E402
+
+# |p - p_truth| / |p_truth - p0| over the parameter vector, float32 against float64: float32 rounds each operation
+# at 2^-24 relative, and the forward, backward and sums of a window chain a few hundred of them. Plain fp32 PyTorch
+# on the same big batch lands near 1e-6 (test_plain_fp32_baseline_is_within_the_bound); a wrong weight (one
+# micro-batch of ~10 tokens among ~30 counted like the others) moves the result by 1e-2 and more.
+FP32_ERROR = 1e-5
+# Each window's gradient norm, computed in float32 by gafused, against float64.
+NORM_RTOL = 1e-5
+
+
+def _quiet_trainer(**overrides: Any) -> pl.Trainer:
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=cases.N,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(overrides)
+    return pl.Trainer(**options)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return cases.run_all(0, 1, str(tmp_path_factory.mktemp("lightning-single")))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("lightning-ranks") / "results.pt"
+    script = Path(cases.__file__)
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600, cwd=script.parent
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def truths() -> dict[tuple[int, bool], tuple]:
+    """(world, token-weighted) -> float64 truth: the token-weighted big batch, or the mean of the micro-batch means."""
+    worlds = (1, cases.WORLD)
+    return {(world, weighted): cases.truth(world, weighted=weighted) for world in worlds for weighted in (True, False)}
+
+
+def _results(single: dict, ranks: list[dict], world: int) -> list[dict[str, dict[str, Any]]]:
+    return [single] if world == 1 else ranks
+
+
+def _result(results: dict[str, dict[str, Any]], recipe: str) -> dict[str, Any]:
+    result = results[recipe]
+    assert "error" not in result, f"{recipe}: {result['error']}"
+    return result
+
+
+@pytest.mark.parametrize("world", [1, cases.WORLD], ids=["1-process", "2-ranks"])
+def test_plain_fp32_baseline_is_within_the_bound(truths: dict[tuple[int, bool], tuple], world: int) -> None:
+    truth_params, initial, _ = truths[world, True]
+    assert 0 < cases.error(cases.plain_fp32(world), truth_params, initial) < FP32_ERROR
+
+
+@pytest.mark.parametrize("recipe", ["gafused", "gafused-resumed", "gafused-unweighted"])
+@pytest.mark.parametrize("world", [1, cases.WORLD], ids=["1-process", "2-ranks"])
+def test_matches_float64_big_batch(
+    single: dict, ranks: list[dict], truths: dict[tuple[int, bool], tuple], world: int, recipe: str
+) -> None:
+    """Token weights (or none: the mean of the micro-batch means), a partial last window, clipping: every rank ends
+    at the float64 big batch, and every window's grad_norm is the big batch's."""
+    truth_params, initial, truth_norms = truths[world, recipe not in cases.UNWEIGHTED]
+    for results in _results(single, ranks, world):
+        result = _result(results, recipe)
+        assert cases.error(result["params"], truth_params, initial) < FP32_ERROR
+        assert result["norms"] == pytest.approx(truth_norms, rel=NORM_RTOL)
+    # Some windows were clipped and some were not.
+    assert max(truth_norms) > cases.MAX_NORM > min(truth_norms)
+
+
+@pytest.mark.parametrize("world", [1, cases.WORLD], ids=["1-process", "2-ranks"])
+def test_lightning_own_accumulation_is_far_off_on_this_data(
+    single: dict, ranks: list[dict], truths: dict[tuple[int, bool], tuple], world: int
+) -> None:
+    """The data expose Lightning's scale errors, so the exact rows are not an accident of the data: loss / N on
+    uneven tokens, and on the partial window alone (against the mean of the micro-batch means); its own resume loses
+    the open window on top."""
+    results = _results(single, ranks, world)[0]
+    for recipe, weighted in (("lightning", True), ("lightning-resumed", True), ("lightning", False)):
+        truth_params, initial, _ = truths[world, weighted]
+        assert cases.error(_result(results, recipe)["params"], truth_params, initial) > 100 * FP32_ERROR
+
+
+@pytest.mark.parametrize("world", [1, cases.WORLD], ids=["1-process", "2-ranks"])
+def test_scheduler_steps_once_per_window(single: dict, ranks: list[dict], world: int) -> None:
+    expected = [cases.LR * cases.lr_factor(window) for window in range(len(cases.epoch_windows()))]
+    for results in _results(single, ranks, world):
+        for recipe in ("gafused", "gafused-resumed"):
+            assert _result(results, recipe)["lrs"] == expected
+
+
+@pytest.mark.parametrize("world", [1, cases.WORLD], ids=["1-process", "2-ranks"])
+def test_checkpoint_mid_window_resumes_bitwise(single: dict, ranks: list[dict], world: int) -> None:
+    for results in _results(single, ranks, world):
+        resumed = _result(results, "gafused-resumed")
+        assert resumed["micro_step_at_checkpoint"] == (cases.CHECKPOINT_AFTER + 1) % cases.N == 2  # mid-window
+        assert "GradAccumulation" in resumed["checkpoint_callback_states"]
+        uninterrupted = _result(results, "gafused")
+        for a, b in zip(resumed["params"], uninterrupted["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_ranks_agree_bitwise(ranks: list[dict]) -> None:
+    for recipe in ("gafused", "gafused-resumed"):
+        for a, b in zip(_result(ranks[0], recipe)["params"], _result(ranks[1], recipe)["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_training_step_returning_none_on_a_window_end() -> None:
+    """Lightning steps on what was accumulated when the window's last training_step returns None: the window is
+    finished with its other micro-batches, exactly."""
+    _, TinyLM, _ = cases._lightning_classes()
+    skipped = {2, 4}  # the last batch of the first window, a middle batch of the second
+
+    class Skipping(TinyLM):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+            return None if batch_idx in skipped else super().training_step(batch, batch_idx)
+
+    module = Skipping(0)
+    _quiet_trainer(callbacks=[GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM)]).fit(module)
+    truth_params, initial, _ = cases.truth(1, skip=skipped)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+    assert len(module.lrs) == len(cases.epoch_windows())
+
+
+def test_accumulation_that_changes_per_epoch() -> None:
+    """Lightning's GradientAccumulationScheduler changes N between epochs (2, then 4 over 6 batches: a partial
+    window of 2): the windows follow it, each still the token-weighted big batch."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    _, TinyLM, _ = cases._lightning_classes()
+    module = TinyLM(0)
+    callbacks = [
+        GradientAccumulationScheduler({0: 2, 1: 4}),
+        GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM),
+    ]
+    trainer = _quiet_trainer(callbacks=callbacks, accumulate_grad_batches=1, max_epochs=2, limit_train_batches=6)
+    trainer.fit(module)
+    windows = cases.epoch_windows(6, 2) + cases.epoch_windows(6, 4)
+    truth_params, initial, _ = cases.truth(1, windows=windows)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+    assert module.lrs == [cases.LR * cases.lr_factor(window) for window in range(len(windows))]
+
+
+def test_the_trainer_holds_the_accumulator() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(weight=cases.tokens)
+    module = TinyLM(0)
+    trainer = _quiet_trainer(callbacks=[callback], limit_train_batches=4)
+    trainer.fit(module)
+    accumulator = callback.accumulator
+    assert isinstance(accumulator, gafused.GradAccumulator) and trainer.optimizers == [accumulator]
+    assert accumulator.accumulation_steps is None and accumulator.micro_step == 0  # the partial window was finished
+    assert "backward" not in module.__dict__  # the module's own backward is back after fit
+
+
+# --- refused configurations ---------------------------------------------------------------------------------------
+
+
+def _fit_refused(module: pl.LightningModule, error: type[Exception], match: str, **trainer: Any) -> None:
+    callback = GradAccumulation(weight=cases.tokens)
+    with pytest.raises(error, match=match):
+        _quiet_trainer(callbacks=[callback], limit_train_batches=2, **trainer).fit(module)
+    assert "backward" not in module.__dict__
+
+
+def test_gradient_clip_val_is_refused() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    _fit_refused(TinyLM(0), ValueError, r"gradient_clip_val=1\.0.*max_grad_norm", gradient_clip_val=1.0)
+
+
+def test_configure_optimizers_returning_an_accumulator_is_refused() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Wrapped(TinyLM):
+        def configure_optimizers(self) -> gafused.GradAccumulator:
+            return gafused.GradAccumulator(torch.optim.SGD(self.parameters(), lr=cases.LR), None)
+
+    _fit_refused(Wrapped(0), TypeError, "return the plain optimizer")
+
+
+def test_manual_optimization_is_refused() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Manual(TinyLM):
+        def __init__(self, rank: int) -> None:
+            super().__init__(rank)
+            self.automatic_optimization = False
+
+    _fit_refused(Manual(0), RuntimeError, "automatic optimization", accumulate_grad_batches=1)
+
+
+@pytest.mark.parametrize("hook", ["backward", "configure_gradient_clipping"])
+def test_overridden_backward_or_clipping_hook_is_refused(hook: str) -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    overridden = type("Overriding", (TinyLM,), {hook: lambda self, *args, **kwargs: None})
+    _fit_refused(overridden(0), RuntimeError, f"overrides LightningModule.{hook}")
+
+
+def test_bad_weight_names_the_weight_function() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(weight=lambda batch: -1.0)
+    with pytest.raises(ValueError, match="weight") as raised:
+        _quiet_trainer(callbacks=[callback], limit_train_batches=2).fit(TinyLM(0))
+    assert "GradAccumulation(weight=" in "".join(getattr(raised.value, "__notes__", []))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"weight": 3}, TypeError, "weight must be a callable"),
+        ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": float("nan")}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": True}, ValueError, "max_grad_norm"),
+    ],
+    ids=["weight-not-callable", "max_grad_norm-zero", "max_grad_norm-nan", "max_grad_norm-bool"],
+)
+def test_bad_arguments_name_the_parameter(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        GradAccumulation(**kwargs)
+
+
+def test_reduce_dtype_without_ddp_is_refused() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(reduce_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        _quiet_trainer(callbacks=[callback], limit_train_batches=2).fit(TinyLM(0))
+
+
+def test_a_window_lightning_abandons_is_not_merged_silently() -> None:
+    """on_train_batch_start returning -1 mid-window ends the epoch without stepping; Lightning would drop those
+    gradients at the next window's zero_grad. gafused refuses to fold them into the next epoch's first window."""
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Abandoning(TinyLM):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            return -1 if self.current_epoch == 0 and batch_idx == cases.CHECKPOINT_AFTER else None
+
+    callback = GradAccumulation(weight=cases.tokens)
+    with pytest.raises(RuntimeError, match="new window at batch 0, but 1 micro-batch"):
+        _quiet_trainer(callbacks=[callback], max_epochs=2).fit(Abandoning(0))
