@@ -236,11 +236,30 @@ def run_all(folder: str) -> dict[str, Any]:
     return results
 
 
+def _misuse(folder: str) -> dict[str, str]:
+    """What GafusedTrainer says to configurations it refuses across ranks, as (case -> message or 'no error')."""
+    from gafused.integrations.transformers import GafusedTrainer
+
+    said = {}
+    try:
+        GafusedTrainer(
+            model=make_model(),
+            args=_arguments(os.path.join(folder, "misuse"), average_tokens_across_devices=False),
+            train_dataset=Sequences(),
+            data_collator=collate,
+        )
+        said["average_tokens_across_devices=False"] = "no error"
+    except ValueError as error:
+        said["average_tokens_across_devices=False"] = str(error)
+    return said
+
+
 def _rank(rank: int, port: int, folder: str) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     results = run_all(folder)
+    results["misuse"] = _misuse(folder)
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * WORLD

@@ -50,7 +50,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         f"gafused.integrations.transformers needs transformers and accelerate ({error}); install them with: "
-        'pip install "gafused[transformers]"'
+        'pip install "gafused[transformers,accelerate]"'
     ) from error
 
 from gafused.accumulator import GradAccumulator
