@@ -31,8 +31,9 @@ from gafused.integrations.transformers import GafusedTrainer  # noqa: E402
 FP32_ERROR = 1e-5
 # grad_norm logged by the Trainer against the float64 norm of the same window (relative): fp32 rounding.
 NORM_ERROR = 1e-5
-GAFUSED = ["gafused", "gafused, per-micro-batch mean loss"]
-TRAINER = ["trainer", "trainer, per-micro-batch mean loss"]
+GAFUSED = [cases.GAFUSED, "GafusedTrainer, per-micro-batch mean loss"]
+TRAINER = ["Trainer, num_items_in_batch", "Trainer, per-micro-batch mean loss"]
+RESUMED = f"GafusedTrainer, resumed from checkpoint-{cases.SAVE_AT} (AdamW)"
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,15 @@ def test_trainer_own_accumulation_is_off_on_the_same_data(measured: dict, name: 
         assert comparison["error"] > 1e-2, (where, comparison)
 
 
+def test_trainer_counting_after_the_shift_is_exact_too(measured: dict) -> None:
+    """Trainer's own num_items_in_batch path is exact for a model that declares loss_type="ForCausalLM": what
+    GafusedTrainer corrects for GPT2LMHeadModel is the count, nothing else."""
+    for where, comparison in measured['Trainer, num_items_in_batch, loss_type="ForCausalLM" declared']:
+        assert comparison["error"] <= FP32_ERROR, (where, comparison)
+
+
 def test_the_data_have_uneven_tokens_a_partial_window_and_clipping(saved: dict, measured: dict) -> None:
-    for (where, results), (_, comparison) in zip(_runs(saved, "gafused"), measured["gafused"], strict=True):
+    for (where, results), (_, comparison) in zip(_runs(saved, cases.GAFUSED), measured[cases.GAFUSED], strict=True):
         windows = cases.windows_of([result["records"] for result in results])
         full = cases.GA * len(results)
         sizes = [len(window) for window in windows]
@@ -88,7 +96,7 @@ def test_the_data_have_uneven_tokens_a_partial_window_and_clipping(saved: dict, 
 
 
 def test_scheduler_steps_once_per_window(saved: dict) -> None:
-    for where, results in _runs(saved, "gafused"):
+    for where, results in _runs(saved, cases.GAFUSED):
         windows = len(cases.windows_of([result["records"] for result in results]))
         for result in results:
             assert result["global_step"] == result["scheduler_steps"] == windows, where
@@ -100,7 +108,7 @@ def test_resume_from_a_checkpoint_is_bitwise(measured: dict) -> None:
     """Trainer checkpoints after a window's optimizer step only (``_maybe_log_save_evaluate`` runs at sync steps),
     so the accumulator's window is empty there; the resumed run (AdamW: its state must come back) is bitwise
     equal to the uninterrupted one, on every rank."""
-    for where, comparison in measured["gafused, resumed from checkpoint"]:
+    for where, comparison in measured[RESUMED]:
         assert comparison["bitwise"], where
 
 
