@@ -153,8 +153,9 @@ def test_causal_lm_items_are_counted_after_the_shift(tmp_path: Path) -> None:
         ({"accumulator_options": {"normalization": "sum"}}, ValueError, r"accumulator_options\['normalization'\]"),
         ({"accumulator_options": {"bucket": 1}}, ValueError, r"accumulator_options\['bucket'\]: unknown"),
         ({"accumulator_options": ["backend"]}, TypeError, "accumulator_options must be a mapping"),
+        ({"fp16": True}, ValueError, "fp16=True: GafusedTrainer does not support fp16 loss scaling"),
     ],
-    ids=["clipping-twice", "decided-option", "unknown-option", "not-a-mapping"],
+    ids=["clipping-twice", "decided-option", "unknown-option", "not-a-mapping", "fp16"],
 )
 def test_bad_configuration_is_refused(tmp_path: Path, kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):

@@ -112,6 +112,11 @@ class GafusedTrainer(transformers.Trainer):
                 "optimizers: pass the inner optimizer, optimizers=(torch.optim.X(...), scheduler_or_None); "
                 "GafusedTrainer builds the GradAccumulator itself, around the model Accelerate wraps"
             )
+        # Refusals that the arguments alone decide come before Trainer builds anything.
+        given = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        self._max_grad_norm = _clipping(given, options)
+        if given is not None:
+            _check_arguments(given)
         super().__init__(*args, **kwargs)
         missing = [name for name in _TRAINER_INTERNALS if not hasattr(self, name)]
         if missing:
@@ -119,14 +124,6 @@ class GafusedTrainer(transformers.Trainer):
                 f"GafusedTrainer builds on Trainer internals of transformers 5.x that transformers "
                 f"{transformers.__version__} lacks: {', '.join(missing)}"
             )
-        trainer_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else 0.0
-        if trainer_norm > 0 and "max_grad_norm" in options:
-            raise ValueError(
-                f"max_grad_norm is configured twice: TrainingArguments(max_grad_norm={trainer_norm}) and "
-                f"accumulator_options['max_grad_norm']={options['max_grad_norm']}; GafusedTrainer clips once, by the "
-                "global norm of the finished gradient: keep one (TrainingArguments(max_grad_norm=0) to use the other)"
-            )
-        self._max_grad_norm = options.pop("max_grad_norm", trainer_norm if trainer_norm > 0 else None)
         self._options = options
         self._check_supported()
         self._sums = self._loss_normalized_over_window()
@@ -146,20 +143,12 @@ class GafusedTrainer(transformers.Trainer):
     # --- configuration ----------------------------------------------------------------------------------
 
     def _check_supported(self) -> None:
-        args = self.args
-        if args.fp16:
-            raise ValueError(
-                "fp16=True: GafusedTrainer does not support fp16 loss scaling yet; use bf16=True, or the plain Trainer"
-            )
+        """What the arguments and Accelerate's configuration (launcher, environment) enable, once Trainer is built."""
+        _check_arguments(self.args)
         if self.is_deepspeed_enabled:
             raise ValueError("deepspeed: GafusedTrainer does not support DeepSpeed (it accumulates gradients itself)")
         if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
             raise ValueError("fsdp: GafusedTrainer does not support FSDP through Trainer yet; DDP is supported")
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"n_gpu={args.n_gpu}: GafusedTrainer does not support torch.nn.DataParallel; launch one process per "
-                "GPU (torchrun, accelerate launch) for DDP"
-            )
         if self.get_tp_size() > 1 or self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise ValueError("parallelism_config: GafusedTrainer supports data parallelism (DDP) only")
 
@@ -298,7 +287,7 @@ class GafusedTrainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor:
         # Known only once optimizer.step() finishes the window: filled in by _AfterOptimizerStep, before Trainer logs.
-        self._norm = torch.full((), float("nan"), dtype=torch.float32)
+        self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.args.device)
         return self._norm
 
 
@@ -344,6 +333,36 @@ def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
     if getattr(config, "is_encoder_decoder", False) or getattr(model, "loss_type", None) in LOSS_MAPPING:
         return False
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _clipping(args: Any, options: dict[str, Any]) -> float | None:
+    """The accumulator's max_grad_norm: TrainingArguments' (default 1.0), or accumulator_options' when that is 0."""
+    trainer_norm = 1.0 if args is None else args.max_grad_norm  # Trainer's default TrainingArguments clip at 1.0
+    trainer_norm = trainer_norm if trainer_norm is not None and trainer_norm > 0 else None
+    if trainer_norm is not None and "max_grad_norm" in options:
+        raise ValueError(
+            f"max_grad_norm is configured twice: TrainingArguments(max_grad_norm={trainer_norm}) and "
+            f"accumulator_options['max_grad_norm']={options['max_grad_norm']}; GafusedTrainer clips once, by the "
+            "global norm of the finished gradient: keep one (TrainingArguments(max_grad_norm=0) to use the other)"
+        )
+    return options.pop("max_grad_norm", trainer_norm)
+
+
+def _check_arguments(args: Any) -> None:
+    """Refuse the TrainingArguments GafusedTrainer cannot train with."""
+    if args.fp16:
+        raise ValueError(
+            "fp16=True: GafusedTrainer does not support fp16 loss scaling yet; use bf16=True, or the plain Trainer"
+        )
+    if args.deepspeed:
+        raise ValueError("deepspeed: GafusedTrainer does not support DeepSpeed (it accumulates gradients itself)")
+    if args.fsdp:
+        raise ValueError("fsdp: GafusedTrainer does not support FSDP through Trainer yet; DDP is supported")
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"n_gpu={args.n_gpu}: GafusedTrainer does not support torch.nn.DataParallel; launch one process per GPU "
+            "(torchrun, accelerate launch) for DDP"
+        )
 
 
 def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
