@@ -178,6 +178,18 @@ def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
     assert min(norms) > 0.25  # every window was clipped, by the accumulator
 
 
+def test_a_plain_trainer_checkpoint_resumes_in_gafused_trainer(tmp_path: Path) -> None:
+    """Trainer's optimizer.pt holds the inner optimizer's state after a window's step: it loads with an empty window."""
+    model = cases.make_model()
+    plain = _trainer(tmp_path, transformers.Trainer, model=model, optim="adamw_torch", max_steps=2, save_steps=2,
+                     save_strategy="steps")
+    plain.train()
+    trainer = _trainer(tmp_path, optim="adamw_torch", max_steps=3)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    steps = {int(state["step"]) for state in trainer.accumulator.optimizer.state.values()}
+    assert steps == {3} and trainer.state.global_step == 3  # 2 steps restored from the checkpoint, 1 more here
+
+
 def test_loss_items_need_labels(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="override GafusedTrainer.loss_items"):
         _trainer(tmp_path).loss_items({"input_ids": torch.ones(1, 3, dtype=torch.long)})
