@@ -65,18 +65,11 @@ _DECIDED = {
     "model": "it is the module Accelerate wrapped (DDP under torch.distributed)",
     "grad_scaler": "fp16 loss scaling is not supported by GafusedTrainer",
 }
-# Trainer internals the subclass builds on (transformers 5.x); checked at construction, so a Trainer that lacks one
-# fails loudly instead of training without gafused.
-_TRAINER_INTERNALS = (
-    "_prepare_for_training",
-    "_load_optimizer_and_scheduler",
-    "_load_scaler",
-    "_clip_grad_norm",
-    "_get_grad_norm",
-    "_loss_shifts_labels",
-    "model_accepts_loss_kwargs",
-    "compute_loss_func",
-)
+# Trainer internals the subclass builds on (transformers 5.x): methods it overrides or calls, attributes Trainer's
+# __init__ sets. Checked at construction, so a Trainer that lacks one fails loudly instead of training without gafused.
+_TRAINER_METHODS = ("_prepare_for_training", "_load_optimizer_and_scheduler", "_load_scaler", "_clip_grad_norm",
+                    "_get_grad_norm")
+_TRAINER_ATTRIBUTES = ("_loss_shifts_labels", "model_accepts_loss_kwargs", "compute_loss_func", "loss_is_scaled_for_ga")
 
 
 _NOTHING = object()
@@ -112,18 +105,14 @@ class GafusedTrainer(transformers.Trainer):
                 "optimizers: pass the inner optimizer, optimizers=(torch.optim.X(...), scheduler_or_None); "
                 "GafusedTrainer builds the GradAccumulator itself, around the model Accelerate wraps"
             )
+        _check_trainer_internals(transformers.Trainer, _TRAINER_METHODS)
         # Refusals that the arguments alone decide come before Trainer builds anything.
         given = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
         self._max_grad_norm = _clipping(given, options)
         if given is not None:
             _check_arguments(given)
         super().__init__(*args, **kwargs)
-        missing = [name for name in _TRAINER_INTERNALS if not hasattr(self, name)]
-        if missing:
-            raise RuntimeError(
-                f"GafusedTrainer builds on Trainer internals of transformers 5.x that transformers "
-                f"{transformers.__version__} lacks: {', '.join(missing)}"
-            )
+        _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
         self._check_supported()
         self._sums = self._loss_normalized_over_window()
@@ -355,6 +344,15 @@ def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
     if getattr(config, "is_encoder_decoder", False) or getattr(model, "loss_type", None) in LOSS_MAPPING:
         return False
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _check_trainer_internals(owner: Any, names: tuple[str, ...]) -> None:
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        raise RuntimeError(
+            f"GafusedTrainer builds on Trainer internals of transformers 5.x that transformers "
+            f"{transformers.__version__} lacks: {', '.join(missing)}"
+        )
 
 
 def _clipping(args: Any, options: dict[str, Any]) -> float | None:
