@@ -1,0 +1,398 @@
+"""transformers' Trainer with gafused accumulation: ``GafusedTrainer``, a drop-in ``Trainer`` subclass.
+
+The recipe keeps its ``TrainingArguments`` (``gradient_accumulation_steps``, ``max_grad_norm``, the scheduler,
+``save_steps``) and changes the class:
+
+    from gafused.integrations.transformers import GafusedTrainer
+    trainer = GafusedTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+
+How Trainer 5.x drives an optimizer, and what the subclass changes (README, "transformers' Trainer"):
+
+- Trainer fetches a window's micro-batches up front, counts their loss items (``num_items_in_batch``, summed over
+  the ranks when ``average_tokens_across_devices``), and marks the last micro-batch of the window (the
+  ``gradient_accumulation_steps``-th, or the epoch's last: the partial window) as the sync step on Accelerate's
+  gradient state. Each micro-batch runs ``training_step``, which ends in ``accelerator.backward(loss)``; at the sync
+  step Trainer clips (``max_grad_norm``), calls ``optimizer.step()``, steps the scheduler unless the accelerator
+  says the step was skipped, and zeroes the gradients. Checkpoints are written after a sync step only.
+- GafusedTrainer builds a *driven* ``GradAccumulator`` over Trainer's own optimizer once Accelerate has wrapped the
+  model (``model=`` the DDP module under torch.distributed), and puts it inside Trainer's ``AcceleratedOptimizer``.
+  ``training_step`` routes the backward to ``accumulator.backward(loss, weight=w, end_window=<sync step>)`` and
+  ends the micro-batches before the sync step with ``accumulator.step()``; Trainer's own ``optimizer.step()`` at
+  the sync step ends the last one, which finishes the window (collective under DDP) and steps the inner optimizer.
+- Losses: when Trainer normalizes each micro-batch's loss over the whole window (the model takes
+  ``num_items_in_batch``, or a ``compute_loss_func`` is set), the accumulator sums (``normalization="sum"``); the
+  loss multiplied by the world size to undo DDP's averaging is given the weight 1 / world size, since gafused sums
+  the ranks. Otherwise each loss is a mean over its own micro-batch: ``normalization="mean"`` with the micro-batch's
+  loss items (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count is not
+  applied to the backward (the returned, logged loss keeps it).
+- Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
+  Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
+  shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
+- Clipping: Trainer's ``max_grad_norm`` is handed to the accumulator, which clips the finished gradient by its global
+  norm; Trainer's own clipping does not run. The logged ``grad_norm`` is the accumulator's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+try:
+    import transformers
+    from accelerate.optimizer import AcceleratedOptimizer
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer_utils import unwrap_peft_model
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        f"gafused.integrations.transformers needs transformers and accelerate ({error}); install them with: "
+        'pip install "gafused[transformers,accelerate]"'
+    ) from error
+
+from gafused.accumulator import GradAccumulator
+
+__all__ = ["GafusedTrainer"]
+
+# What the accumulator_options of GafusedTrainer may set; the rest is decided by the Trainer's configuration.
+_OPTIONS = ("max_grad_norm", "accum_dtype", "backend", "bucket_bytes", "reduce_dtype")
+_DECIDED = {
+    "accumulation_steps": "windows end at Trainer's sync steps (gradient_accumulation_steps and the epoch's end)",
+    "normalization": "it follows how Trainer normalizes the loss (num_items_in_batch or a per-micro-batch mean)",
+    "model": "it is the module Accelerate wrapped (DDP under torch.distributed)",
+    "grad_scaler": "fp16 loss scaling is not supported by GafusedTrainer",
+}
+# Trainer internals the subclass builds on (transformers 5.x): methods it overrides or calls, attributes Trainer's
+# __init__ sets. Checked at construction, so a Trainer that lacks one fails loudly instead of training without gafused.
+_TRAINER_METHODS = ("_prepare_for_training", "_load_optimizer_and_scheduler", "_load_scaler", "_clip_grad_norm",
+                    "_get_grad_norm")
+_TRAINER_ATTRIBUTES = ("_loss_shifts_labels", "model_accepts_loss_kwargs", "compute_loss_func", "loss_is_scaled_for_ga")
+
+
+_NOTHING = object()
+
+
+class GafusedTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose gradient accumulation is a gafused ``GradAccumulator``.
+
+    Takes every argument of ``Trainer``; the window is Trainer's own (``gradient_accumulation_steps``
+    micro-batches per optimizer step, the partial last window of an epoch included), and the finished gradient is
+    the one big batch would give: token-weighted over every micro-batch and rank, clipped by its global norm with
+    ``args.max_grad_norm``. The LR scheduler steps once per window; a window the accumulator skips (non-finite
+    gradient) does not step it. Checkpoints (``save_steps``, ``resume_from_checkpoint``) hold the accumulator's
+    state; Trainer writes them after a window's step only, where the window is empty, so they resume exactly.
+
+    Args:
+        accumulator_options: keyword arguments for ``GradAccumulator``: ``accum_dtype``, ``backend``,
+            ``bucket_bytes``, ``reduce_dtype`` and ``max_grad_norm`` (the last only with ``args.max_grad_norm=0``:
+            clipping is configured in one place). The window, the normalization and ``model=`` follow the Trainer.
+        *args, **kwargs: as for ``transformers.Trainer``. ``optimizers=(inner, scheduler)`` takes the inner
+            optimizer (a plain ``torch.optim.Optimizer``); GafusedTrainer wraps it.
+
+    Not supported (refused with an error at construction or when training starts): fp16 loss scaling (bf16
+    works), DeepSpeed, FSDP, tensor or context parallelism, ``torch.nn.DataParallel`` (several GPUs in one
+    process), SageMaker model parallelism.
+    """
+
+    def __init__(self, *args: Any, accumulator_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        options = _check_options(accumulator_options)
+        optimizers = kwargs.get("optimizers")
+        if optimizers is not None and isinstance(optimizers[0], GradAccumulator):
+            raise TypeError(
+                "optimizers: pass the inner optimizer, optimizers=(torch.optim.X(...), scheduler_or_None); "
+                "GafusedTrainer builds the GradAccumulator itself, around the model Accelerate wraps"
+            )
+        _check_trainer_internals(transformers.Trainer, _TRAINER_METHODS)
+        # Refusals that the arguments alone decide come before Trainer builds anything.
+        given = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        self._max_grad_norm = _clipping(given, options)
+        if given is not None:
+            _check_arguments(given)
+        super().__init__(*args, **kwargs)
+        _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
+        self._options = options
+        self._check_supported()
+        self._sums = self._loss_normalized_over_window()
+        if self._sums and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "average_tokens_across_devices=False: each rank would normalize its loss by its own item count, "
+                "which no accumulation can turn into the big batch's; keep TrainingArguments' default "
+                "average_tokens_across_devices=True"
+            )
+        # Count a causal LM's loss items after the shift whenever its loss shifts the labels (see module docstring).
+        self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(unwrap_peft_model(self.model))
+        self.accumulator: GradAccumulator | None = None
+        self._window_micro_batches = 1
+        self._norm: torch.Tensor | None = None
+        self.add_callback(_AfterOptimizerStep(self))
+
+    # --- configuration ----------------------------------------------------------------------------------
+
+    def _check_supported(self) -> None:
+        """What the arguments and Accelerate's configuration (launcher, environment) enable, once Trainer is built."""
+        _check_arguments(self.args)
+        if self.is_deepspeed_enabled:
+            raise ValueError("deepspeed: GafusedTrainer does not support DeepSpeed (it accumulates gradients itself)")
+        if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
+            raise ValueError("fsdp: GafusedTrainer does not support FSDP through Trainer yet; DDP is supported")
+        if self.get_tp_size() > 1 or self.get_cp_size() > 1 or self.get_sp_size() > 1:
+            raise ValueError("parallelism_config: GafusedTrainer supports data parallelism (DDP) only")
+
+    def _loss_normalized_over_window(self) -> bool:
+        """Whether Trainer normalizes each micro-batch's loss over the window (its rule in ``training_step``)."""
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+
+    @property
+    def current_gradient_accumulation_steps(self) -> int:
+        # Trainer divides a per-micro-batch mean loss by this before its backward; the accumulator takes the
+        # undivided loss and weighs it by its items instead (training_step divides the returned loss for logging).
+        return 1
+
+    @current_gradient_accumulation_steps.setter
+    def current_gradient_accumulation_steps(self, value: int) -> None:
+        self._window_micro_batches = value
+
+    # --- the accumulator --------------------------------------------------------------------------------
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None):
+        # Trainer wraps the model (DDP) and prepares the optimizer here, then loads the checkpoint's optimizer state.
+        # The accumulator needs the wrapped model, so it is built in between and the checkpoint loaded into it.
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self._install_accumulator(model)
+        if resume_from_checkpoint is not None:
+            accelerated = self.optimizer
+            accelerated.optimizer = _CheckpointLoader(self.accumulator)  # Trainer loads through it
+            try:
+                self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            finally:
+                accelerated.optimizer = self.accumulator
+            self._load_scaler(resume_from_checkpoint)
+        return model, train_dataloader
+
+    def _install_accumulator(self, model: torch.nn.Module) -> None:
+        accelerated = self.optimizer
+        if not isinstance(accelerated, AcceleratedOptimizer):
+            raise RuntimeError(
+                f"GafusedTrainer expected Accelerate to wrap the optimizer, got {type(accelerated).__name__}"
+            )
+        if self.accelerator.scaler is not None:
+            raise ValueError("mixed_precision: GafusedTrainer does not support fp16 loss scaling; use bf16")
+        inner = accelerated.optimizer
+        if isinstance(inner, GradAccumulator):  # a second train() call: build anew around the wrapped model
+            if inner.micro_step:
+                raise RuntimeError(
+                    f"train(): the last window of the previous train() call is open ({inner.micro_step} micro-batches)"
+                )
+            inner = inner.optimizer
+        wrapped = None
+        if self.args.world_size > 1:
+            if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                raise ValueError(
+                    f"GafusedTrainer supports DistributedDataParallel across ranks; Trainer wrapped the model in "
+                    f"{type(model).__name__}"
+                )
+            wrapped = model
+        self.accumulator = GradAccumulator(
+            inner,
+            None,
+            self._max_grad_norm,
+            model=wrapped,
+            normalization="sum" if self._sums else "mean",
+            **self._options,
+        )
+        accelerated.optimizer = self.accumulator
+
+    def loss_items(self, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """The number of items a micro-batch's mean loss averages over: its weight when losses are per-micro-batch
+        means (models that take no ``num_items_in_batch``).
+
+        The labels that are not -100 (``shift_labels`` when the batch has them; for causal LMs, ``labels[..., 1:]``:
+        the first label of each sequence is never predicted). Override it for losses that average over something
+        else.
+        """
+        if "shift_labels" in inputs:
+            labels = inputs["shift_labels"]
+        elif "labels" in inputs:
+            labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
+        else:
+            raise ValueError(
+                "inputs: the micro-batch has no 'labels', so its loss items (the weight of its mean loss) are "
+                "unknown; override GafusedTrainer.loss_items(inputs) to count them"
+            )
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"inputs['labels'] must be a tensor to count loss items, got {type(labels).__name__}")
+        return labels.ne(-100).sum()
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        accumulator = self.accumulator
+        if accumulator is None:
+            raise RuntimeError("training_step(): the GradAccumulator is built by train(); call trainer.train()")
+        last = bool(self.accelerator.sync_gradients)  # Trainer's sync step: the window's last micro-batch
+        # Trainer's rule (training_step) for a loss already normalized over the window.
+        if self.loss_is_scaled_for_ga is not None:
+            normalized_over_window = bool(self.loss_is_scaled_for_ga)
+        else:
+            takes_count = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            normalized_over_window = bool(takes_count) or self.compute_loss_func is not None
+        if normalized_over_window != self._sums:
+            raise RuntimeError(
+                "training_step(): this micro-batch's loss is "
+                + ("normalized over the window" if normalized_over_window else "a mean over the micro-batch")
+                + " but the accumulator was built for "
+                + ("losses normalized over the window" if self._sums else "per-micro-batch means")
+                + " (a batch without 'labels' gives Trainer no num_items_in_batch)"
+            )
+        if self._sums:
+            # Trainer multiplies the loss by the world size to undo DDP's averaging; gafused sums the ranks.
+            scaled_up = self.args.average_tokens_across_devices and num_items_in_batch is not None
+            weight: float | torch.Tensor = 1.0 / self.accelerator.num_processes if scaled_up else 1.0
+        else:
+            weight = self.loss_items(inputs)
+        called = []
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            if kwargs:
+                raise RuntimeError(f"accelerator.backward() got options GafusedTrainer cannot honor: {sorted(kwargs)}")
+            called.append(True)
+            accumulator.backward(loss, weight=weight, end_window=last)
+
+        with _routed_backward(self.accelerator, backward):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        if not called:
+            raise RuntimeError("training_step(): Trainer ran no accelerator.backward for this micro-batch")
+        if not last:
+            accumulator.step()  # the window's last micro-batch is ended by Trainer's optimizer.step()
+        if not self._sums:
+            loss = loss / self._window_micro_batches  # what Trainer logs: the window's mean of micro-batch means
+        return loss
+
+    # --- clipping and the logged norm -------------------------------------------------------------------
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        # The gradient is finished (and clipped by its global norm) inside optimizer.step(); nothing to clip here.
+        return self._get_grad_norm(model)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor:
+        # Known only once optimizer.step() finishes the window: filled in by _AfterOptimizerStep, before Trainer logs.
+        self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.args.device)
+        return self._norm
+
+
+class _CheckpointLoader:
+    """Loads a checkpoint's optimizer state into the accumulator: a GafusedTrainer one as it is, and a plain Trainer
+    one (the inner optimizer's state alone) with an empty window, which is what Trainer's checkpoints hold: Trainer
+    saves after a window's optimizer step only."""
+
+    def __init__(self, accumulator: GradAccumulator) -> None:
+        self.accumulator = accumulator
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        if isinstance(state_dict, dict) and "gafused" not in state_dict and "param_groups" in state_dict:
+            window = self.accumulator.state_dict()
+            if window["gafused"]["micro_step"]:
+                raise RuntimeError("resume_from_checkpoint: the accumulator has an open window")
+            state_dict = {**window, "optimizer": state_dict}
+        self.accumulator.load_state_dict(state_dict)
+
+
+class _AfterOptimizerStep(transformers.TrainerCallback):
+    """After Trainer's optimizer.step(): the window's norm for the log, and whether the step was skipped (then
+    Trainer does not step the scheduler, as after an fp16 overflow)."""
+
+    def __init__(self, trainer: GafusedTrainer) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is None or trainer.accumulator is None:
+            return
+        accumulator = trainer.accumulator
+        if accumulator.micro_step:
+            raise RuntimeError(
+                f"optimizer.step() did not finish the window ({accumulator.micro_step} micro-batches are open)"
+            )
+        trainer.optimizer._is_overflow = not accumulator.stepped
+        if trainer._norm is not None and accumulator.grad_norm is not None:
+            trainer._norm.copy_(accumulator.grad_norm)
+
+
+@contextlib.contextmanager
+def _routed_backward(accelerator: Any, backward: Any) -> Iterator[None]:
+    """Trainer's training_step ends in ``accelerator.backward(loss)``: send it to the accumulator for one call."""
+    shadowed = accelerator.__dict__.get("backward", _NOTHING)
+    accelerator.backward = backward
+    try:
+        yield
+    finally:
+        if shadowed is _NOTHING:
+            del accelerator.backward
+        else:
+            accelerator.backward = shadowed
+
+
+def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
+    """A causal LM (by the auto mapping Trainer's label smoother uses) whose ``loss_type`` is unset computes the
+    shifted causal-LM loss (``PreTrainedModel.loss_function`` falls back to it)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or getattr(model, "loss_type", None) in LOSS_MAPPING:
+        return False
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _check_trainer_internals(owner: Any, names: tuple[str, ...]) -> None:
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        raise RuntimeError(
+            f"GafusedTrainer builds on Trainer internals of transformers 5.x that transformers "
+            f"{transformers.__version__} lacks: {', '.join(missing)}"
+        )
+
+
+def _clipping(args: Any, options: dict[str, Any]) -> float | None:
+    """The accumulator's max_grad_norm: TrainingArguments' (default 1.0), or accumulator_options' when that is 0."""
+    trainer_norm = 1.0 if args is None else args.max_grad_norm  # Trainer's default TrainingArguments clip at 1.0
+    trainer_norm = trainer_norm if trainer_norm is not None and trainer_norm > 0 else None
+    if trainer_norm is not None and "max_grad_norm" in options:
+        raise ValueError(
+            f"max_grad_norm is configured twice: TrainingArguments(max_grad_norm={trainer_norm}) and "
+            f"accumulator_options['max_grad_norm']={options['max_grad_norm']}; GafusedTrainer clips once, by the "
+            "global norm of the finished gradient: keep one (TrainingArguments(max_grad_norm=0) to use the other)"
+        )
+    return options.pop("max_grad_norm", trainer_norm)
+
+
+def _check_arguments(args: Any) -> None:
+    """Refuse the TrainingArguments GafusedTrainer cannot train with."""
+    if args.fp16:
+        raise ValueError(
+            "fp16=True: GafusedTrainer does not support fp16 loss scaling yet; use bf16=True, or the plain Trainer"
+        )
+    if args.deepspeed:
+        raise ValueError("deepspeed: GafusedTrainer does not support DeepSpeed (it accumulates gradients itself)")
+    if args.fsdp:
+        raise ValueError("fsdp: GafusedTrainer does not support FSDP through Trainer yet; DDP is supported")
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"n_gpu={args.n_gpu}: GafusedTrainer does not support torch.nn.DataParallel; launch one process per GPU "
+            "(torchrun, accelerate launch) for DDP"
+        )
+
+
+def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"accumulator_options must be a mapping or None, got {type(options).__name__}")
+    for key in options:
+        if key in _DECIDED:
+            raise ValueError(f"accumulator_options[{key!r}]: GafusedTrainer sets it: {_DECIDED[key]}")
+        if key not in _OPTIONS:
+            raise ValueError(f"accumulator_options[{key!r}]: unknown; GradAccumulator options allowed here: {_OPTIONS}")
+    return dict(options)

@@ -1,0 +1,217 @@
+"""transformers' Trainer: GafusedTrainer against a float64 token-weighted big batch, on 1 process and 2 gloo ranks.
+
+The training runs happen once, in a subprocess (tests/transformers_cases.py: the Trainer recipe
+``per_device_train_batch_size=1, gradient_accumulation_steps=4`` on a tiny GPT-2 built from a config, sequences of
+2 to 31 tokens, an epoch ending in a partial window, SGD, the linear schedule, clipping), and record every
+micro-batch the model saw with its optimizer step; the truth replays those windows in float64. The tests below
+read the results; the last ones check refusals and a skipped window in this process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers  # noqa: E402
+import transformers_cases as cases  # noqa: E402
+
+import gafused  # noqa: E402
+from gafused.integrations.transformers import GafusedTrainer  # noqa: E402
+
+# |p - p_truth| / |p_truth - p0| over the whole model, fp32 training against the float64 truth after 6 windows
+# (3 on 2 ranks): float32 rounding of the forward, backward and sums. Plain fp32 PyTorch on the same big batches
+# measures 1.2e-6 (asserted below to be inside the bound too); a gradient scaled by 1 + 1e-4 would already exceed it.
+FP32_ERROR = 1e-5
+# grad_norm logged by the Trainer against the float64 norm of the same window (relative): fp32 rounding.
+NORM_ERROR = 1e-5
+GAFUSED = [cases.GAFUSED, "GafusedTrainer, per-micro-batch mean loss"]
+TRAINER = ["Trainer, num_items_in_batch", "Trainer, per-micro-batch mean loss"]
+RESUMED = f"GafusedTrainer, resumed from checkpoint-{cases.SAVE_AT} (AdamW)"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("transformers") / "results.pt"
+    script = Path(cases.__file__)
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600, cwd=script.parent
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def _runs(saved: dict, name: str) -> list[tuple[str, list[dict]]]:
+    single, ranks = cases.runs_of(saved, name)
+    for results in (single, ranks):
+        for rank, result in enumerate(results):
+            assert not isinstance(result.get("error"), str), f"{name}, rank {rank}: {result['error']}"
+    return [("1 process", single), ("2 ranks", ranks)]
+
+
+@pytest.fixture(scope="module")
+def measured(saved: dict) -> dict:
+    """Each case compared with its float64 truth once: name -> [(where, comparison)] for 1 process and 2 ranks."""
+    return {name: [(where, cases.compare(results)) for where, results in _runs(saved, name)] for name in cases.CASES}
+
+
+@pytest.mark.parametrize("name", GAFUSED)
+def test_gafused_trainer_equals_the_token_weighted_big_batch(measured: dict, name: str) -> None:
+    for where, comparison in measured[name]:
+        assert comparison["error"] <= FP32_ERROR, (where, comparison)
+        assert comparison["fp32_big_batch_error"] <= FP32_ERROR, (where, comparison)
+        assert comparison["norm_error"] <= NORM_ERROR, (where, comparison)
+        assert comparison["ranks_equal"], where
+
+
+@pytest.mark.parametrize("name", TRAINER)
+def test_trainer_own_accumulation_is_off_on_the_same_data(measured: dict, name: str) -> None:
+    """The same comparison fails for Trainer's own accumulation: the data make the test able to fail."""
+    for where, comparison in measured[name]:
+        assert comparison["error"] > 1e-2, (where, comparison)
+
+
+def test_trainer_counting_after_the_shift_is_exact_too(measured: dict) -> None:
+    """Trainer's own num_items_in_batch path is exact for a model that declares loss_type="ForCausalLM": what
+    GafusedTrainer corrects for GPT2LMHeadModel is the count, nothing else."""
+    for where, comparison in measured['Trainer, num_items_in_batch, loss_type="ForCausalLM" declared']:
+        assert comparison["error"] <= FP32_ERROR, (where, comparison)
+
+
+def test_the_data_have_uneven_tokens_a_partial_window_and_clipping(saved: dict, measured: dict) -> None:
+    for (where, results), (_, comparison) in zip(_runs(saved, cases.GAFUSED), measured[cases.GAFUSED], strict=True):
+        windows = cases.windows_of([result["records"] for result in results])
+        full = cases.GA * len(results)
+        sizes = [len(window) for window in windows]
+        assert sizes[:-1] == [full] * (len(sizes) - 1) and 0 < sizes[-1] < full, (where, sizes)
+        tokens = [int((batch["labels"][:, 1:] != -100).sum()) for window in windows for batch in window]
+        assert max(tokens) >= 10 * min(tokens), (where, tokens)
+        assert 0 < comparison["clipped"] < len(windows), (where, comparison)
+
+
+def test_scheduler_steps_once_per_window(saved: dict) -> None:
+    for where, results in _runs(saved, cases.GAFUSED):
+        windows = len(cases.windows_of([result["records"] for result in results]))
+        for result in results:
+            assert result["global_step"] == result["scheduler_steps"] == windows, where
+            expected = [cases.LR * (windows - step) / windows for step in range(windows)]
+            assert result["lrs"] == pytest.approx(expected, rel=1e-12), where
+
+
+def test_resume_from_a_checkpoint_is_bitwise(measured: dict) -> None:
+    """Trainer checkpoints after a window's optimizer step only (``_maybe_log_save_evaluate`` runs at sync steps),
+    so the accumulator's window is empty there; the resumed run (AdamW: its state must come back) is bitwise
+    equal to the uninterrupted one, on every rank."""
+    for where, comparison in measured[RESUMED]:
+        assert comparison["bitwise"], where
+
+
+def test_sum_normalized_losses_need_the_global_token_count(saved: dict) -> None:
+    for rank in saved["ranks"]:
+        said = rank["misuse"]["average_tokens_across_devices=False"]
+        assert "average_tokens_across_devices" in said, said
+
+
+# --- in this process --------------------------------------------------------------------------------------------
+
+
+def _trainer(tmp_path: Path, cls: type = GafusedTrainer, model: torch.nn.Module | None = None, **kwargs):
+    options = kwargs.pop("accumulator_options", None)
+    extra = {"accumulator_options": options} if options is not None else {}
+    optimizers = kwargs.pop("optimizers", None)
+    if optimizers is not None:
+        extra["optimizers"] = optimizers
+    return cls(
+        model=model if model is not None else cases.make_model(),
+        args=cases._arguments(str(tmp_path), **kwargs),
+        train_dataset=cases.Sequences(),
+        data_collator=cases.collate,
+        **extra,
+    )
+
+
+def test_causal_lm_items_are_counted_after_the_shift(tmp_path: Path) -> None:
+    """GPT2LMHeadModel leaves loss_type unset; its loss still shifts the labels. Trainer 5.x counts its items
+    before the shift (one per sequence too many); GafusedTrainer after it, like its loss does."""
+    assert cases.make_model().loss_type is None
+    assert not _trainer(tmp_path, transformers.Trainer)._loss_shifts_labels
+    trainer = _trainer(tmp_path)
+    batch = cases.collate([{"input_ids": torch.arange(1, 6)}, {"input_ids": torch.arange(1, 3)}])
+    assert int(trainer.loss_items(batch)) == 4 + 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"accumulator_options": {"max_grad_norm": 1.0}}, ValueError, "max_grad_norm is configured twice"),
+        ({"accumulator_options": {"normalization": "sum"}}, ValueError, r"accumulator_options\['normalization'\]"),
+        ({"accumulator_options": {"bucket": 1}}, ValueError, r"accumulator_options\['bucket'\]: unknown"),
+        ({"accumulator_options": ["backend"]}, TypeError, "accumulator_options must be a mapping"),
+        ({"fp16": True}, ValueError, "fp16=True: GafusedTrainer does not support fp16 loss scaling"),
+    ],
+    ids=["clipping-twice", "decided-option", "unknown-option", "not-a-mapping", "fp16"],
+)
+def test_bad_configuration_is_refused(tmp_path: Path, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        _trainer(tmp_path, **kwargs)
+
+
+def test_a_gradaccumulator_as_the_optimizer_is_refused(tmp_path: Path) -> None:
+    model = cases.make_model()
+    accumulator = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    with pytest.raises(TypeError, match="pass the inner optimizer"):
+        _trainer(tmp_path, model=model, optimizers=(accumulator, None))
+
+
+def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
+    options = {"max_grad_norm": 0.25, "backend": "reference"}
+    trainer = _trainer(tmp_path, max_grad_norm=0.0, max_steps=2, accumulator_options=options)
+    trainer.train()
+    assert trainer.accumulator.max_grad_norm == 0.25 and trainer.accumulator.backend == "reference"
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert min(norms) > 0.25  # every window was clipped, by the accumulator
+
+
+def test_a_plain_trainer_checkpoint_resumes_in_gafused_trainer(tmp_path: Path) -> None:
+    """Trainer's optimizer.pt holds the inner optimizer's state after a window's step: it loads with an empty window."""
+    model = cases.make_model()
+    plain = _trainer(tmp_path, transformers.Trainer, model=model, optim="adamw_torch", max_steps=2, save_steps=2,
+                     save_strategy="steps")
+    plain.train()
+    trainer = _trainer(tmp_path, optim="adamw_torch", max_steps=3)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    steps = {int(state["step"]) for state in trainer.accumulator.optimizer.state.values()}
+    assert steps == {3} and trainer.state.global_step == 3  # 2 steps restored from the checkpoint, 1 more here
+
+
+def test_loss_items_need_labels(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="override GafusedTrainer.loss_items"):
+        _trainer(tmp_path).loss_items({"input_ids": torch.ones(1, 3, dtype=torch.long)})
+
+
+def test_a_non_finite_window_is_skipped_and_does_not_step_the_scheduler(tmp_path: Path) -> None:
+    model = cases.make_model()
+    trainer = _trainer(tmp_path, model=model, max_steps=4)
+    weight = model.transformer.wte.weight
+    seen: dict[int, torch.Tensor] = {}  # the weight at the first backward of each window
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        seen.setdefault(trainer.state.global_step, weight.detach().clone())
+        if trainer.state.global_step == 1:  # every micro-batch of the second window
+            return torch.full_like(grad, float("nan"))
+        return grad
+
+    weight.register_hook(poison)
+    trainer.train()
+    windows = trainer.state.global_step
+    assert trainer.accumulator.skipped_steps == 1
+    assert trainer.lr_scheduler.last_epoch == windows - 1  # the skipped window did not step it
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert not torch.isfinite(torch.tensor(norms[1])) and all(torch.isfinite(torch.tensor(norms[:1] + norms[2:])))
+    assert torch.equal(seen[1], seen[2]) and not torch.equal(seen[0], seen[1])  # the window changed nothing
