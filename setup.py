@@ -109,7 +109,8 @@ setup(
         "triton": ["triton>=3.0"],
         "test": ["pytest", "ruff", "hypothesis"],
         # tests/test_correctness.py's float64 GPT-2 proof; it skips with the reason when this is absent.
-        "transformers": ["transformers"],
+        # also gafused.integrations.transformers (Trainer needs accelerate).
+        "transformers": ["transformers", "accelerate"],
         # gafused.integrations: each adapter imports its framework lazily.
         "accelerate": ["accelerate"],
         "lightning": ["lightning"],
