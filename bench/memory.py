@@ -8,7 +8,9 @@ figure is the peak of live tensor bytes during the second window (parameters, gr
 state, activations and temporaries all included), divided by the number of parameters. On CPU the live
 bytes come from torch.profiler's allocation events, which record every tensor allocation and free with its
 exact size (``track_peak`` is checked against known allocations by tests/test_memory.py); on a GPU from
-``torch.cuda.max_memory_allocated``.
+``torch.cuda.max_memory_allocated``. The profiler sees only the threads it follows: where other threads free
+tensors (gloo's workers, in bench/distributed.py), ``count_every_thread()`` at process start and
+``live_peak_after_mark()`` count the whole process instead.
 
 The recipes:
 - ``plain``: ``(loss / N).backward()``; autograd accumulates into ``p.grad`` (in the parameters' dtype);
@@ -39,9 +41,32 @@ import gafused  # noqa: E402 - run as a script from a checkout as well as instal
 RECIPES = ("plain", "megatron", "gafused-step", "gafused-backward")
 ACCUMULATION_STEPS = 4
 _MARK_BYTES = 7_777  # an allocation of this odd size marks where the measured window starts
+_EVERY_THREAD = [False]  # count_every_thread() was called in this process
 
 
 # --- the tracker ------------------------------------------------------------------------------------------
+
+
+def count_every_thread() -> None:
+    """From now on, count the CPU tensor bytes of the whole process, whichever thread allocates or frees them.
+
+    The profiler records allocation events only on the threads it profiles. A tensor whose last reference is
+    dropped by another thread (a gloo worker finishing a collective after the caller has moved on) is freed
+    without an event, so ``peak_after_mark`` would count it as live for good. This sets the c10 flag
+    ``caffe2_report_cpu_memory_usage`` (no Python API sets it; ctypes writes the exported global): PyTorch's CPU
+    allocator then keeps a process-wide count of live bytes, updated on every thread, and stamps it on each
+    event, which ``live_peak_after_mark`` reads. Call it at process start, before the tensors to be counted
+    exist (their sizes are recorded when they are allocated). It cannot be undone.
+    """
+    import ctypes
+
+    library = next(Path(torch.__file__).parent.joinpath("lib").glob("*c10.*"), None)
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(library)), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError, TypeError) as error:
+        raise RuntimeError(f"memory: cannot set caffe2_report_cpu_memory_usage in {library}: {error}") from error
+    flag.value = True
+    _EVERY_THREAD[0] = True
 
 
 class _CpuTracker:
@@ -81,6 +106,27 @@ class _CpuTracker:
             raise RuntimeError("memory tracker: the mark() allocation was not recorded")
         return peak
 
+    def live_peak_after_mark(self) -> int:
+        """The highest live byte count of the whole process after ``mark()``, every thread included: the
+        allocator's own count stamped on each event (needs ``count_every_thread()`` before those tensors were
+        allocated)."""
+        if not _EVERY_THREAD[0]:
+            raise RuntimeError("memory tracker: live_peak_after_mark() needs count_every_thread() at process start")
+        allocation = torch._C._profiler._EventType.Allocation
+        stack = list(self._profile.profiler.kineto_results.experimental_event_tree())
+        events = []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == allocation:
+                events.append((node.start_time_ns, node.extra_fields))
+        events.sort(key=lambda event: event[0])
+        start = next((i for i, (_, fields) in enumerate(events) if fields.alloc_size == _MARK_BYTES), None)
+        if start is None:
+            raise RuntimeError("memory tracker: the mark() allocation was not recorded")
+        # The mark's own event counts the mark; the events after it (its free first) do not.
+        return max((fields.total_allocated for _, fields in events[start + 1 :]), default=0)
+
 
 class _CudaTracker:
     """Live bytes on the current CUDA device from the caching allocator's statistics."""
@@ -100,10 +146,15 @@ class _CudaTracker:
     def peak_after_mark(self) -> int:
         return torch.cuda.max_memory_allocated() - self._start
 
+    def live_peak_after_mark(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
 
 @contextlib.contextmanager
 def track_peak(device: torch.device) -> Iterator[_CpuTracker | _CudaTracker]:
-    """Track live tensor bytes allocated inside the block; ``peak_after_mark()`` once it has exited."""
+    """Track live tensor bytes allocated inside the block; ``peak_after_mark()`` once it has exited (bytes
+    allocated inside the block), or ``live_peak_after_mark()`` (every live byte of the process; on CPU after
+    ``count_every_thread()``)."""
     gc.collect()
     tracker = _CudaTracker() if device.type == "cuda" else _CpuTracker()
     with tracker:

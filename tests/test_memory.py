@@ -5,7 +5,9 @@ checked against allocations of known sizes. The model is ~100 MB of fp32 paramet
 The gafused recipes run ``backend="auto"``, what users get: the foreach backend on CPU.
 """
 
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,42 @@ def test_foreach_temporaries_stay_within_a_chunk(monkeypatch):
     peaks["device_fold"] = peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach"))
     slack = 2**16  # 0-d tensors, per-segment norms
     assert all(0 < value <= chunk + slack for value in peaks.values()), peaks
+
+
+def test_live_peak_counts_frees_made_by_other_threads():
+    """A tensor whose last reference dies on a thread the profiler does not follow (as gloo's workers drop a
+    collective's buffers) has no free event: peak_after_mark keeps it live, live_peak_after_mark does not. In a
+    child process, since count_every_thread() changes the whole process for good."""
+    script = textwrap.dedent(
+        f"""
+        import sys, threading, torch
+        sys.path.insert(0, {str(Path(memory.__file__).parent)!r})
+        import memory
+        memory.count_every_thread()
+        with memory.track_peak(torch.device("cpu")) as tracker:
+            kept = torch.empty(1000)  # 4000 bytes, alive throughout
+            tracker.mark()
+            parcel = [torch.empty(3000, dtype=torch.float64)]  # 24000 bytes, freed by another thread
+            thread = threading.Thread(target=parcel.clear)
+            thread.start()
+            thread.join()
+            later = torch.empty(30000, dtype=torch.uint8)  # 30000 bytes: the peak is 4000 + 30000
+            del later, kept
+        print(tracker.peak_after_mark(), tracker.live_peak_after_mark())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    events_peak, live_peak = map(int, done.stdout.split())
+    assert events_peak == 4000 + 24000 + 30000  # the free on the other thread was never seen
+    assert live_peak == 4000 + 30000
+
+
+def test_live_peak_needs_count_every_thread():
+    with memory.track_peak(torch.device("cpu")) as tracker:
+        tracker.mark()
+    with pytest.raises(RuntimeError, match="count_every_thread"):
+        tracker.live_peak_after_mark()
 
 
 @pytest.fixture(scope="module")
