@@ -17,7 +17,6 @@ Error = |p - p_truth| / |p_truth - p0| over all parameters.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -25,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from casekit import free_port, tiny_gpt2_config
 
 GA = 4  # Accelerator(gradient_accumulation_steps=GA)
 # Data sets: (every sequence the same length, micro-batches per process per epoch). 10 makes windows 4, 4, 2.
@@ -47,11 +48,9 @@ def windows(batches: int) -> list[range]:
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
+    config = tiny_gpt2_config(64)
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).to(dtype)
 
@@ -294,12 +293,6 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(out: str, world: int = 2) -> None:
     """Run every case on ``world`` processes, forked from this one after the slow imports (transformers, accelerate:
     seconds each), which they then share. Nothing here has started a thread pool or a process group yet."""
@@ -307,7 +300,7 @@ def run_ranks(out: str, world: int = 2) -> None:
     import torch.multiprocessing as mp
     import transformers.models.gpt2  # noqa: F401
 
-    mp.start_processes(_rank, args=(world, _free_port(), out), nprocs=world, start_method="fork")
+    mp.start_processes(_rank, args=(world, free_port(), out), nprocs=world, start_method="fork")
 
 
 DESCRIPTIONS = {

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import warnings
 from typing import Any
 
 import torch
+
+from casekit import free_port
 
 WORLD = 2
 N = 3  # micro-batches per window
@@ -336,12 +337,6 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def report(results: list[dict[str, Any]]) -> str:
     """A markdown table: each case's error against the float64 truth, norm error, rank agreement, wire."""
     lines = [
@@ -377,7 +372,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--report"]:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "results.pt")
-            mp.spawn(_rank, args=(_free_port(), out), nprocs=WORLD)
+            mp.spawn(_rank, args=(free_port(), out), nprocs=WORLD)
             print(report(torch.load(out, weights_only=False)))
     else:
-        mp.spawn(_rank, args=(_free_port(), sys.argv[1]), nprocs=WORLD)
+        mp.spawn(_rank, args=(free_port(), sys.argv[1]), nprocs=WORLD)

@@ -23,13 +23,14 @@ every rank's micro-batches of that window, clipped with ``clip_grad_norm_``.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import warnings
 from typing import Any
 
 import torch
+
+from casekit import free_port, tiny_gpt2_config
 
 WORLD = 2
 N = 3  # accumulate_grad_batches
@@ -46,19 +47,9 @@ def lr_factor(window: int) -> float:
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=MAX_LEN,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="eager",
-    )
+    config = tiny_gpt2_config(VOCAB, MAX_LEN, attn_implementation="eager")
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).to(dtype)
 
@@ -318,17 +309,11 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn_ranks(out: str) -> None:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(_free_port(), folder, out), nprocs=WORLD)
+        mp.spawn(_rank, args=(free_port(), folder, out), nprocs=WORLD)
 
 
 def report(ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]]) -> str:

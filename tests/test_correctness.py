@@ -15,6 +15,8 @@ import torch
 
 from gafused import GradAccumulator, check_model
 
+from casekit import tiny_gpt2_config
+
 # --- a tiny causal LM and padded token batches ------------------------------------------------------------
 
 _VOCAB = 50
@@ -25,19 +27,8 @@ def _tiny_gpt2(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """Two layers, width 16, random init. GPT-2's learned positions keep a float64 forward float64 throughout;
     rotary models compute their angles in float32, whose rounding varies with the padded width."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=_VOCAB,
-        n_positions=32,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        pad_token_id=_PAD,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="eager",
+    config = tiny_gpt2_config(
+        _VOCAB, pad_token_id=_PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager"
     )
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config).to(dtype)

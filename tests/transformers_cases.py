@@ -15,13 +15,14 @@ rank's), clipped by the global norm, at the window's learning rate of the linear
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import warnings
 from typing import Any
 
 import torch
+
+from casekit import free_port, tiny_gpt2_config
 
 WORLD = 2
 GA = 4
@@ -37,20 +38,7 @@ def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Two layers, width 16, random init, no dropout; GPT2LMHeadModel leaves ``loss_type`` unset."""
     import transformers
 
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        pad_token_id=PAD,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="eager",
-    )
+    config = tiny_gpt2_config(VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).to(dtype)
 
@@ -88,8 +76,9 @@ def pad_cat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     width = max(batch["input_ids"].shape[1] for batch in batches)
     fill = {"input_ids": PAD, "attention_mask": 0, "labels": -100}
     return {
-        key: torch.cat([torch.nn.functional.pad(batch[key], (0, width - batch[key].shape[1]), value=value)
-                        for batch in batches])
+        key: torch.cat(
+            [torch.nn.functional.pad(batch[key], (0, width - batch[key].shape[1]), value=value) for batch in batches]
+        )
         for key, value in fill.items()
     }
 
@@ -221,7 +210,10 @@ CASES: dict[str, dict[str, Any]] = {
     "GafusedTrainer, per-micro-batch mean loss": {"trainer": "gafused", "loss": "mean"},
     # AdamW, whose state the checkpoint must carry for the resumed run to be bitwise equal.
     f"GafusedTrainer, resumed from checkpoint-{SAVE_AT} (AdamW)": {
-        "trainer": "gafused", "resume": True, "optim": "adamw_torch", "learning_rate": 1e-2
+        "trainer": "gafused",
+        "resume": True,
+        "optim": "adamw_torch",
+        "learning_rate": 1e-2,
     },
 }
 
@@ -274,19 +266,13 @@ def _rank(rank: int, port: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(out: str) -> None:
     """Every case on one process, then on WORLD gloo ranks; saves {"single": results, "ranks": [per rank]}."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
         single = run_all(os.path.join(folder, "single"))
-        mp.spawn(_rank, args=(_free_port(), os.path.join(folder, "ranks")), nprocs=WORLD)
+        mp.spawn(_rank, args=(free_port(), os.path.join(folder, "ranks")), nprocs=WORLD)
         ranks = torch.load(os.path.join(folder, "ranks", "ranks.pt"), weights_only=False)
     torch.save({"single": single, "ranks": ranks}, out)
 
@@ -334,9 +320,11 @@ def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
     windows = windows_of([result["records"] for result in results])
     reference = _cached_truth(windows, torch.float64)
     fp32 = _cached_truth(windows, torch.float32)
-    norm_error = max(
-        abs(logged - exact) / exact for logged, exact in zip(first["norms"], reference["norms"], strict=True)
-    ) if len(first["norms"]) == len(reference["norms"]) else float("nan")
+    norm_error = (
+        max(abs(logged - exact) / exact for logged, exact in zip(first["norms"], reference["norms"], strict=True))
+        if len(first["norms"]) == len(reference["norms"])
+        else float("nan")
+    )
     return {
         "error": error(first["params"], reference),
         "fp32_big_batch_error": error(fp32["params"], reference),
