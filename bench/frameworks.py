@@ -1,8 +1,8 @@
 """Each framework's own gradient accumulation, the same framework with gafused, and the float64 truth.
 
-    python bench/frameworks.py              # every scenario, 1 process and 2 gloo ranks (about 3 min on 2 CPU cores);
-                                            # writes bench/results/frameworks-cpu.json and .csv, prints the tables
-    python bench/frameworks.py --quick --out /tmp/f.json    # smoke run: two small scenarios
+    python bench/frameworks.py              # every scenario, 1 process and 2 gloo ranks, under a minute on 2 CPU
+                                            # cores: bench/results/frameworks-cpu.json and .csv, and the tables
+    python bench/frameworks.py --quick      # smoke run, two small scenarios (default --out: ~/.cache/gafused/bench)
     python bench/frameworks.py --table      # the README tables, from the committed results file
 
 Every framework trains the same tiny GPT-2 (built from a config, nothing downloaded) with SGD at a constant
@@ -14,7 +14,8 @@ a per-rank loader in Lightning), so every framework makes the same windows, and 
 against them. Scenarios:
 
 - ``equal``: every sequence 16 tokens, full windows of N = 4: the case every recipe should get right;
-- ``uneven``: sequences of 2 to 31 tokens (micro-batches of 2 to 60 loss tokens), full windows;
+- ``uneven``: sequence lengths drawn from 2 to 31 tokens (the smallest and largest loss-token count of a
+  micro-batch are in the results' meta), full windows;
 - ``partial``: equal tokens, 10 micro-batches per rank: windows of 4, 4 and a partial 2 (the epoch's end);
 - ``uneven-partial``: both;
 - ``bf16``: the model in bfloat16 (parameters and gradients), equal tokens, full windows of N = 32.
@@ -55,6 +56,8 @@ import torch
 import gafused
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "frameworks-cpu.json"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gafused" / "bench"
+QUICK_OUT = CACHE / "frameworks-quick.json"  # a smoke run never overwrites the committed results
 VOCAB = 64
 SEQUENCES = 2  # per micro-batch
 LR = 0.5  # SGD, constant: a scale error in the gradient shows in the parameters
@@ -138,12 +141,9 @@ def micro_batches(scenario: Scenario, world: int) -> list[dict[str, torch.Tensor
     labelled -100 and masked."""
     generator = torch.Generator().manual_seed(1234)
     items = []
-    for index in range(world * scenario.batches):
-        lengths = [
-            16 if scenario.equal_tokens else 2 + (7 * k * k + 13 * k) % 30
-            for k in range(index * SEQUENCES, (index + 1) * SEQUENCES)
-        ]
-        width = max(lengths)
+    for _ in range(world * scenario.batches):
+        lengths = [16] * SEQUENCES if scenario.equal_tokens else torch.randint(2, 32, (SEQUENCES,), generator=generator)
+        width = int(max(lengths))
         input_ids = torch.zeros(SEQUENCES, width, dtype=torch.long)
         mask = torch.zeros(SEQUENCES, width, dtype=torch.long)
         for row, length in enumerate(lengths):
@@ -345,7 +345,6 @@ def _rank(rank: int, framework: str, world: int, port: int, scenarios: list[Scen
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -367,7 +366,9 @@ def _rank(rank: int, framework: str, world: int, port: int, scenarios: list[Scen
                 continue
             try:
                 results[f"{scenario.name}/{recipe}"] = RUNNERS[framework](scenario, recipe, world, rank, folder)
-            except Exception as failure:  # reported with the row's name; the other runs go on
+            except Exception as failure:
+                if world > 1:  # the other ranks may wait in a collective: end the whole run (its log says why)
+                    raise
                 results[f"{scenario.name}/{recipe}"] = {"error": f"{type(failure).__name__}: {failure}"}
     torch.save(results, os.path.join(folder, f"{framework}-{world}-{rank}.pt"))
     if dist.is_initialized():
@@ -517,7 +518,7 @@ def run(quick: bool) -> dict[str, Any]:
                     "scenario": scenario.name,
                     "world": world,
                     **_public(truth.errors(floor)),
-                    "ranks_equal": True,
+                    "ranks_equal": None,  # one process
                 }
             )
             for (framework, recipe), label in RECIPES.items():
@@ -557,6 +558,14 @@ def run(quick: bool) -> dict[str, Any]:
         "threads_per_process": 1,
         "quick": quick,
         "scenarios": [asdict(scenario) for scenario in scenarios],
+        # The loss tokens of the smallest and the largest micro-batch of each scenario, by world size.
+        "loss_tokens_per_micro_batch": {
+            scenario.name: {
+                world: [f(int(loss_tokens(item)) for item in micro_batches(scenario, world)) for f in (min, max)]
+                for world in WORLDS
+            }
+            for scenario in scenarios
+        },
         "model": "GPT-2, 2 layers, width 16, vocabulary 64, no dropout",
         "sequences_per_micro_batch": SEQUENCES,
         "optimizer": f"SGD(lr={LR}), constant",
@@ -616,13 +625,15 @@ def _write_csv(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small scenarios (smoke run)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=f"JSON file (default {DEFAULT_OUT}; with --quick, {QUICK_OUT})")
     parser.add_argument("--table", action="store_true", help="print the tables of --out and run nothing")
     args = parser.parse_args(argv)
+    out = args.out or (QUICK_OUT if args.quick and not args.table else DEFAULT_OUT)
     if args.table:
-        print(format_tables(json.loads(args.out.read_text())))
+        print(format_tables(json.loads(out.read_text())))
         return 0
     results = run(args.quick)
+    args.out = out
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     _write_csv(results, args.out.with_suffix(".csv"))
