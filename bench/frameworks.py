@@ -184,7 +184,6 @@ class Recorder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.steps = 0
         self.seen: list[tuple[int, torch.Tensor]] = []
         self.grads: list[torch.Tensor] = []
         self.params: list[torch.Tensor] = []
@@ -199,13 +198,13 @@ class Recorder:
 
     def _forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if module.training and torch.is_grad_enabled():
-            if len(self.params) == self.steps:
+            steps = len(self.grads)  # inner optimizer steps so far: the window this forward belongs to
+            if len(self.params) == steps:
                 self.params.append(self._flat())
-            self.seen.append((self.steps, kwargs["input_ids"].detach().clone()))
+            self.seen.append((steps, kwargs["input_ids"].detach().clone()))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.grads.append(self._flat(grad=True))
-        self.steps += 1
 
     def result(self) -> dict[str, Any]:
         return {"seen": self.seen, "grads": self.grads, "params": self.params, "final": self._flat()}

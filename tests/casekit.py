@@ -1,4 +1,4 @@
-"""Pieces the multi-process case scripts and the GPT-2 tests share (tests/*_cases.py, tests/test_correctness.py)."""
+"""Pieces the multi-process case scripts and the tests share (tests/*_cases.py, tests/test_*.py)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def tiny_gpt2_config(vocab_size: int, n_positions: int = 32, **overrides: Any) -
     )
     settings.update(overrides)
     return GPT2Config(**settings)
+
+
+def micro_batch(opt: Any, loss: Any, loop: str, weight: Any = None, end_window: bool = False) -> None:
+    """One micro-batch through either loop of a GradAccumulator: ``"backward"``, ``opt.backward(loss, weight=w,
+    end_window=e); opt.step()``, or ``"step"``, ``loss.backward(); opt.step(weight=w, end_window=e)``."""
+    if loop == "backward":
+        opt.backward(loss, weight=weight, end_window=end_window)
+        opt.step()
+    else:
+        loss.backward()
+        opt.step(weight=weight, end_window=end_window)

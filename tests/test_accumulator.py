@@ -14,6 +14,8 @@ import torch
 import gafused
 from gafused import GradAccumulator
 
+from casekit import micro_batch
+
 
 def _model(dtype=torch.float64, seed=0):
     torch.manual_seed(seed)
@@ -44,16 +46,6 @@ def loop(request):
     return request.param
 
 
-def _micro_batch(opt, loss, loop, weight=None):
-    """One micro-batch through either loop."""
-    if loop == "backward":
-        opt.backward(loss, weight=weight)
-        opt.step()
-    else:
-        loss.backward()
-        opt.step(weight=weight)
-
-
 def _big_batch_step(model, optimizer, batches, max_norm=None):
     """One optimizer step on the concatenation of the micro-batches: the definition of correct."""
     optimizer.zero_grad()
@@ -81,7 +73,7 @@ def test_matches_big_batch_in_float64(backend, kind, steps, loop):
     for window in range(3):
         batches = _data([4] * steps, seed=window)
         for index, (x, y) in enumerate(batches):
-            _micro_batch(opt, _loss(model, x, y), loop)
+            micro_batch(opt, _loss(model, x, y), loop)
             assert opt.stepped == (index == steps - 1)
             assert opt.micro_step == (index + 1) % steps
             opt.zero_grad()
@@ -99,7 +91,7 @@ def test_unequal_weighted_micro_batches(backend, loop):
         batches = _data(sizes, seed=10 + window)
         for n, (x, y) in zip(sizes, batches, strict=True):
             weight = n if window == 0 else torch.tensor(n)  # numbers and 0-d tensors
-            _micro_batch(opt, _loss(model, x, y), loop, weight)
+            micro_batch(opt, _loss(model, x, y), loop, weight)
             opt.zero_grad()
         _big_batch_step(reference, reference_opt, batches)
         _assert_same_params(model, reference, 1e-12)
@@ -129,7 +121,7 @@ def test_partial_window_with_flush(backend, loop):
     windows = [_data([3] * 4, seed=20), _data([3, 5], seed=21)]  # a full window, then an epoch's tail
     for batches in windows:
         for x, y in batches:
-            _micro_batch(opt, _loss(model, x, y), loop, x.shape[0])
+            micro_batch(opt, _loss(model, x, y), loop, x.shape[0])
             opt.zero_grad()
         if len(batches) < 4:
             assert not opt.stepped and opt.micro_step == 2
@@ -162,7 +154,7 @@ def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm, loop
     for window in range(2):
         batches = _data([4, 4, 4], seed=30 + window)
         for x, y in batches:
-            _micro_batch(opt, _loss(model, x, y), loop)
+            micro_batch(opt, _loss(model, x, y), loop)
         finished = [p.grad.clone() for p in model.parameters()]  # what the inner step used
         opt.zero_grad()
         norm = _big_batch_step(reference, reference_opt, batches, max_norm=max_norm)
@@ -182,7 +174,7 @@ def test_norm_is_of_the_average_and_independent_of_n(backend, loop):
         opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.0), accumulation_steps=steps, backend=backend)
         x, y = _data([8], seed=40)[0]
         for xs, ys in zip(x.chunk(steps), y.chunk(steps), strict=True):
-            _micro_batch(opt, _loss(model, xs, ys), loop)
+            micro_batch(opt, _loss(model, xs, ys), loop)
         norms.append(opt.grad_norm)
     torch.testing.assert_close(norms[1], norms[0], rtol=1e-12, atol=0)
     torch.testing.assert_close(norms[2], norms[0], rtol=1e-12, atol=0)
@@ -232,7 +224,7 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
     opt = GradAccumulator(inner, accumulation_steps=3, max_grad_norm=1.0, backend=backend)
     warm = _data([2, 2, 2], seed=60)
     for x, y in warm:  # a normal window first, so there is optimizer state to protect
-        _micro_batch(opt, _loss(model, x, y), loop)
+        micro_batch(opt, _loss(model, x, y), loop)
     opt.zero_grad()
     _big_batch_step(reference, reference_opt, warm, max_norm=1.0)
     snapshot = _snapshot(model, inner)
@@ -245,7 +237,7 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
     for index, (x, y) in enumerate(_data([2, 2, 2], seed=61)):
         # The non-finite value enters the gradient inside backward, where both loops see it.
         handle = model[0].weight.register_hook(poison) if index == position else None
-        _micro_batch(opt, _loss(model, x, y), loop)
+        micro_batch(opt, _loss(model, x, y), loop)
         if handle is not None:
             handle.remove()
         opt.zero_grad()
@@ -256,7 +248,7 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
 
     after = _data([2, 2, 2], seed=62)
     for x, y in after:
-        _micro_batch(opt, _loss(model, x, y), loop)
+        micro_batch(opt, _loss(model, x, y), loop)
     assert opt.stepped
     _big_batch_step(reference, reference_opt, after, max_norm=1.0)
     _assert_same_params(model, reference, 1e-12)
@@ -277,7 +269,7 @@ def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend, loop):
         if index == 1:  # `partial` takes part in one micro-batch of three
             loss = loss + (partial**2).sum()
             partial_grads.append(2 * partial.detach().clone())
-        _micro_batch(opt, loss, loop)
+        micro_batch(opt, loss, loop)
         if index < 2:
             assert all(p.grad is None for p in inner.param_groups[0]["params"])  # folded and released
     assert opt.stepped
@@ -332,7 +324,7 @@ def test_mid_window_checkpoint_resumes_exactly(backend, loop):
         uninterrupted_opt.step(weight=x.shape[0])
         uninterrupted_opt.zero_grad()
         if n_done < 6:  # 1 full window, then 2 micro-batches into the second
-            _micro_batch(opt, _loss(model, x, y), loop, torch.tensor(x.shape[0]))
+            micro_batch(opt, _loss(model, x, y), loop, torch.tensor(x.shape[0]))
             opt.zero_grad()
     assert opt.micro_step == 2
 
@@ -521,7 +513,7 @@ def test_zero_weight_window_is_skipped(backend, loop, normalization):
     )
     before = [p.detach().clone() for p in model.parameters()]
     for x, y in _data([2, 2], seed=120):
-        _micro_batch(opt, _loss(model, x, y), loop, 0)
+        micro_batch(opt, _loss(model, x, y), loop, 0)
     assert not opt.stepped and opt.skipped_steps == 1
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
@@ -582,19 +574,14 @@ def test_end_window_ends_a_counted_window_early(backend, loop):
         for index, (x, y) in enumerate(batches):
             end = early and index == len(batches) - 1
             loss = _loss(model, x, y)
-            if loop == "backward":
-                opt.backward(loss, weight=x.shape[0], end_window=end)
-                opt.step()
-            else:
-                loss.backward()
-                opt.step(weight=x.shape[0], end_window=end)
+            micro_batch(opt, loss, loop, weight=x.shape[0], end_window=end)
             opt.zero_grad()
         assert opt.stepped and opt.micro_step == 0
         _big_batch_step(reference, reference_opt, batches)
         _assert_same_params(model, reference, 1e-12)
 
 
-def test_end_declared_by_a_later_backward_of_the_micro_batch(backend):
+def test_end_declared_by_a_later_backward_of_themicro_batch(backend):
     """A micro-batch of two backward() calls, the window's end declared by the second: step() finishes it."""
     model = _model()
     reference = copy.deepcopy(model)
@@ -637,12 +624,7 @@ def test_sum_normalization_matches_big_batch_in_float64(backend, loop, steps):
         for index, (x, y) in enumerate(batches):
             end = steps is None and index == len(batches) - 1
             loss = _window_normalized_loss(model, x, y, window_elements)
-            if loop == "backward":
-                opt.backward(loss, end_window=end)
-                opt.step()
-            else:
-                loss.backward()
-                opt.step(end_window=end)
+            micro_batch(opt, loss, loop, end_window=end)
             opt.zero_grad()
         if not opt.stepped:
             assert opt.flush() is True
@@ -686,12 +668,7 @@ def test_driven_sum_checkpoint_resumes_exactly(backend, loop):
         for index, (x, y) in part:
             loss = _window_normalized_loss(model, x, y, window_elements)
             end = index == len(sizes) - 1
-            if loop == "backward":
-                opt.backward(loss, end_window=end)
-                opt.step()
-            else:
-                loss.backward()
-                opt.step(end_window=end)
+            micro_batch(opt, loss, loop, end_window=end)
             opt.zero_grad()
 
     uninterrupted, uninterrupted_opt = build()

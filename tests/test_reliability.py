@@ -14,6 +14,8 @@ import torch
 
 from gafused import GradAccumulator
 
+from casekit import micro_batch
+
 
 def _model(seed=0):
     torch.manual_seed(seed)
@@ -53,12 +55,7 @@ def test_no_zero_grad_after_step_or_flush_does_not_leak_into_the_next_window(bac
     windows = []
     for _ in range(2):  # two epochs of a full window and a flushed partial one, no zero_grad anywhere
         for x in batches:
-            if loop == "backward":
-                opt.backward(_loss(model, x), weight=x.shape[0])
-                opt.step()
-            else:
-                _loss(model, x).backward()
-                opt.step(weight=x.shape[0])
+            micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
             if opt.stepped:
                 assert all(p.grad is not None for p in model.parameters())  # readable until the next backward
         assert opt.flush() is True
@@ -109,12 +106,7 @@ def test_failing_inner_step_surfaces_and_training_goes_on(backend, loop):
     inner.fail = True
     with pytest.raises(RuntimeError, match="inner step failed") as raised:
         for x in batches[:2]:
-            if loop == "backward":
-                opt.backward(_loss(model, x), weight=x.shape[0])
-                opt.step()
-            else:
-                _loss(model, x).backward()
-                opt.step(weight=x.shape[0])
+            micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
     assert "window was discarded" in "".join(getattr(raised.value, "__notes__", []))
     assert opt.micro_step == 0 and not opt.stepped
     assert all(p.grad is None for p in model.parameters())
@@ -182,12 +174,7 @@ def test_channels_last_parameters_with_fused_optimizers(kind, loop):
     for _ in range(2):
         xs = [torch.randn(2, 3, 6, 7, generator=generator).to(memory_format=torch.channels_last) for _ in range(2)]
         for x in xs:
-            if loop == "backward":
-                opt.backward(conv(x).square().mean())
-                opt.step()
-            else:
-                conv(x).square().mean().backward()
-                opt.step()
+            micro_batch(opt, conv(x).square().mean(), loop)
         assert conv.weight.grad.stride() == conv.weight.stride()
         ref_opt.zero_grad()
         sum(reference(x).square().mean() / 2 for x in xs).backward()
@@ -378,12 +365,7 @@ def test_long_run_keeps_memory_flat(loop):
     x = _batches(1)[0]
     counts = []
     for step in range(2000):
-        if loop == "backward":
-            opt.backward(_loss(model, x), weight=3)
-            opt.step()
-        else:
-            _loss(model, x).backward()
-            opt.step(weight=3)
+        micro_batch(opt, _loss(model, x), loop, weight=3)
         if step in (999, 1999):  # the same position in a window, after a warm-up
             counts.append(_live_tensors())
     assert counts[1] <= counts[0]  # earlier tests' garbage may still go; nothing of this run may stay
