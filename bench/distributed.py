@@ -458,6 +458,13 @@ def _rank(rank: int, port: int, quick: bool, names: list[str], memory: bool, out
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+    # End the rank now, as a forked process ends, without interpreter shutdown: a gloo worker thread may still be
+    # releasing the gather's work, whose tensors need the GIL to drop; taking the GIL from a finalizing interpreter
+    # ends the thread by a forced unwind through a noexcept destructor, and std::terminate aborts the rank
+    # (tests/casekit.py's leave_spawned_rank says the same).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- rows, table, files -----------------------------------------------------------------------------------

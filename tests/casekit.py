@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 
 def free_port() -> int:
@@ -11,6 +13,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def leave_spawned_rank() -> NoReturn:
+    """End a rank process started by ``mp.spawn`` once its results are saved, skipping interpreter shutdown.
+
+    A gloo worker thread releases a collective's work after the caller has already moved on; when the work holds a
+    tensor that has a Python object, the thread takes the GIL to drop it. If the interpreter is finalizing by then,
+    CPython ends that thread with a forced unwind through a noexcept destructor, and std::terminate aborts the rank
+    (SIGABRT after every result is in). A forked rank never finalizes (multiprocessing ends it with ``os._exit``);
+    this ends a spawned one the same way. Call it on success only: an exception has to reach ``mp.spawn``.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def tiny_gpt2_config(vocab_size: int, n_positions: int = 32, **overrides: Any) -> Any:

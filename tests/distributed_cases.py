@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port
+from casekit import free_port, leave_spawned_rank
 
 WORLD = 2
 N = 3  # micro-batches per window
@@ -335,6 +335,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save(gathered, out)
     dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def report(results: list[dict[str, Any]]) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port, tiny_gpt2_config
+from casekit import free_port, leave_spawned_rank, tiny_gpt2_config
 
 WORLD = 2
 N = 3  # accumulate_grad_batches
@@ -307,6 +307,7 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
             torch.save(gathered, out)
     finally:
         dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def spawn_ranks(out: str) -> None:

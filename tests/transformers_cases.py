@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port, tiny_gpt2_config
+from casekit import free_port, leave_spawned_rank, tiny_gpt2_config
 
 WORLD = 2
 GA = 4
@@ -264,6 +264,7 @@ def _rank(rank: int, port: int, folder: str) -> None:
     if rank == 0:
         torch.save(gathered, os.path.join(folder, "ranks.pt"))
     dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def run(out: str) -> None:
