@@ -1,18 +1,23 @@
 """Reference backend: the contracts of gafused.ops in plain PyTorch.
 
-This is the oracle every other backend is tested against and the backend that runs on CPU. It is written
-for clarity, one segment at a time; speed is the other backends' job. Every function works on a flat
-accumulation tensor ``acc`` and its layout (``offsets``, ``numels``): segment ``i`` is
-``acc[offsets[i] : offsets[i] + numels[i]]``. Elements outside segments (alignment padding) are never
+This is the oracle every other backend is tested against (``backend="reference"``; ``"auto"`` picks the
+foreach backend on CPU). It is written for clarity, one segment at a time; speed is the other backends' job.
+Every function works on a flat accumulation tensor ``acc`` and its layout (``offsets``, ``numels``): segment
+``i`` is ``acc[offsets[i] : offsets[i] + numels[i]]``. Elements outside segments (alignment padding) are never
 read or written.
 
 Math happens in ``acc.dtype`` (float32, or float64 for float64 buffers): gradients are upcast before
 they are weighted, whatever their own dtype.
 
-No op allocates a temporary the size of a segment. On CPU, where reading a 0-d tensor costs no device sync,
-a middle fold is one fused ``add_(grad, alpha=weight)`` pass and the non-finite check is skipped when the
-sums of squares show every value finite; on other devices the rounding is exactly ``acc + (weight * grad)``,
-which the CUDA backend's tests hold bit for bit.
+On CPU, where reading a 0-d tensor costs no device sync, a middle fold is one fused
+``add_(grad, alpha=weight)`` pass and the non-finite check is skipped when the sums of squares show every
+value finite; on other devices the rounding is exactly ``acc + (weight * grad)``, which the CUDA backend's
+tests hold bit for bit.
+
+Temporaries are segment-sized and live one segment at a time: a fold of float32 gradients on CPU allocates
+none, gradients of another dtype are upcast into one first (inside ``add_``), the off-CPU fold builds
+``weight * grad`` and the non-finite check, when it runs, builds masks of the segment. The foreach backend is
+the one that bounds its temporaries (``gafused/foreach_backend.py``).
 """
 
 from __future__ import annotations
