@@ -7,12 +7,22 @@ import socket
 import sys
 from typing import Any, NoReturn
 
+import torch
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now, for a process group's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def tanh_mlp(sizes: tuple[int, int, int] = (5, 4, 3), seed: int = 0, dtype: torch.dtype = torch.float64) -> Any:
+    """Linear -> Tanh -> Linear with widths ``sizes``, initialized from ``torch.manual_seed(seed)``, in ``dtype``: the
+    small smooth model the single-process tests train and compare in float64."""
+    torch.manual_seed(seed)
+    first, hidden, last = sizes
+    return torch.nn.Sequential(torch.nn.Linear(first, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, last)).to(dtype)
 
 
 def leave_spawned_rank() -> NoReturn:

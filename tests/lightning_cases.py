@@ -39,6 +39,15 @@ CHECKPOINT_AFTER = 4  # 0-based batch after which the resumed cases checkpoint: 
 LR = 0.5
 MAX_NORM = 0.7  # below some windows' norms and above others, on 1 process and on 2 ranks
 ROWS, MAX_LEN, VOCAB = 2, 12, 32
+# One epoch, and none of the logging, checkpointing, progress or sanity-check runs a comparison has no use for.
+ONE_QUIET_EPOCH = dict(
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
 
 
 def lr_factor(window: int) -> float:
@@ -226,12 +235,7 @@ def run(recipe: str, rank: int, world: int, folder: str) -> dict[str, Any]:
             strategy=pl.strategies.DDPStrategy(process_group_backend="gloo") if world > 1 else "auto",
             accumulate_grad_batches=N,
             gradient_clip_val=None if gafused else MAX_NORM,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
+            **ONE_QUIET_EPOCH,
             use_distributed_sampler=False,
             callbacks=callbacks,
         )

@@ -14,12 +14,11 @@ import torch
 import gafused
 from gafused import GradAccumulator
 
-from casekit import micro_batch
+from casekit import micro_batch, tanh_mlp
 
 
 def _model(dtype=torch.float64, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(dtype)
+    return tanh_mlp(seed=seed, dtype=dtype)
 
 
 def _data(sizes, dtype=torch.float64, seed=1):

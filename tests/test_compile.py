@@ -17,6 +17,8 @@ import torch
 
 from gafused import FlatGradBuffer, GradAccumulator, ops
 
+from casekit import tanh_mlp
+
 GRAPHS = 2
 BREAKS = 1
 STEPS = 4
@@ -31,8 +33,7 @@ def compile_backend(request):
 
 
 def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    return tanh_mlp((6, 8, 3))
 
 
 def _data(count, seed=1):

@@ -15,7 +15,7 @@ import torch
 
 from gafused import GradAccumulator, check_model
 
-from casekit import tiny_gpt2_config
+from casekit import tanh_mlp, tiny_gpt2_config
 
 # --- a tiny causal LM and padded token batches ------------------------------------------------------------
 
@@ -389,8 +389,7 @@ def test_fp16_grad_scaler_llm_skips_overflow_and_matches_fp32(backend):
 
 
 def _regression(seed=6):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    return tanh_mlp(seed=seed)
 
 
 def _regression_windows(sizes, seed=7):

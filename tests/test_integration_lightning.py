@@ -38,12 +38,7 @@ def _quiet_trainer(**overrides: Any) -> pl.Trainer:
         accelerator="cpu",
         devices=1,
         accumulate_grad_batches=cases.N,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **cases.ONE_QUIET_EPOCH,
     )
     options.update(overrides)
     return pl.Trainer(**options)

@@ -14,13 +14,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gafused import GradAccumulator
 
+from casekit import tanh_mlp
+
 STEPS = 2  # micro-batches per window
 WINDOWS = 7
 
 
 def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    return tanh_mlp(seed=seed)
 
 
 def _micro_batches(count, seed=1):

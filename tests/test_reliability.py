@@ -14,12 +14,11 @@ import torch
 
 from gafused import GradAccumulator
 
-from casekit import micro_batch
+from casekit import micro_batch, tanh_mlp
 
 
 def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    return tanh_mlp(seed=seed)
 
 
 def _batches(count, seed=1):
