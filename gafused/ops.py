@@ -174,9 +174,15 @@ def _eager(acc: torch.Tensor) -> bool:
     return type(acc) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
 
 
+def _capturing(device: torch.device) -> bool:
+    # torch.cuda.is_current_stream_capturing() asks about the current device's stream, not the buffer's.
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def _backend_for(acc: torch.Tensor, backend: str) -> ModuleType:
     """The backend module, after refusing CUDA graph capture (see the module docstring)."""
-    if acc.is_cuda and torch.cuda.is_current_stream_capturing():
+    if acc.is_cuda and _capturing(acc.device):
         raise RuntimeError(
             "gafused ops cannot be captured in a CUDA graph: they build tables on the host for every call. "
             "Run the accumulator's step outside the captured region."

@@ -453,3 +453,68 @@ def test_segments_past_int32_offsets():
     expected_out = torch.zeros(expected.numel(), dtype=torch.bfloat16, device="cuda")
     reference.scale_(expected, local_offsets, numels, scale, expected_out)
     assert torch.equal(torch.cat([out[window] for window in windows]), expected_out)
+
+
+def _run_every_op(device: torch.device, backend: str, seed: int) -> list[torch.Tensor]:
+    """Two folds, a fold_finish_, per-segment sums of squares and a scale into bf16, on a buffer on ``device``.
+
+    Everything is made and run on the current stream; the results are returned for comparison across backends.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params = [torch.empty(shape, device=device) for shape in LAYOUTS["mixed"]]
+    buffer = FlatGradBuffer(params, torch.float32)
+
+    def grads() -> list[torch.Tensor]:
+        return [torch.randn(p.shape, device=device, generator=generator).to(torch.bfloat16) for p in params]
+
+    weight, scale = torch.tensor(0.75, device=device), torch.tensor(0.5, device=device)
+    ops.fold_(buffer, grads(), weight, first=True, backend=backend)
+    ops.fold_(buffer, grads(), weight, first=False, backend=backend)
+    total, nonfinite = ops.fold_finish_(buffer, grads(), weight, scale, first=False, backend=backend)
+    per_segment = ops.sum_of_squares(buffer, per_segment=True, backend=backend)
+    out = torch.zeros(buffer.numel, dtype=torch.bfloat16, device=device)
+    ops.scale_(buffer, scale, out=out, backend=backend)
+    return [buffer.data.clone(), total, nonfinite, per_segment, out]
+
+
+def _assert_same_results(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    data, total, nonfinite, per_segment, out = actual
+    _assert_close(data, expected[0], ELEMENTWISE_TOL)
+    _assert_close(total, expected[1], SUM_TOL)
+    assert not bool(nonfinite) and not bool(expected[2])
+    _assert_close(per_segment, expected[3], SUM_TOL)
+    # The buffers may differ by an fp32 ulp (contraction), which can move a rounding to bf16 by one bf16 ulp.
+    torch.testing.assert_close(out.float(), expected[4].float(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_buffer_on_a_device_that_is_not_current(backend):
+    """Ops on a buffer on cuda:1 while cuda:0 is current run on cuda:1 (Triton launches on the current device)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    device = torch.device("cuda", 1)
+    reason = ops.backend_unavailable_reason(backend, device)
+    if reason is not None:
+        pytest.skip(f"{backend} backend cannot run on {device}: {reason}")
+    with torch.cuda.device(0):
+        actual = _run_every_op(device, backend, seed=5)
+        expected = _run_every_op(device, "reference", seed=5)
+    _assert_same_results(actual, expected)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_ops_on_a_side_stream_after_the_default_stream():
+    """The cached device tables are per stream: a second stream gets tables its own launches are ordered after."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    expected = _run_every_op(device, "reference", seed=9)
+    _assert_same_results(_run_every_op(device, "triton", seed=9), expected)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        on_side = _run_every_op(device, "triton", seed=9)
+    torch.cuda.current_stream(device).wait_stream(side)
+    _assert_same_results(on_side, expected)
+    streams = {key[1] for key in _layout._grad_table_cache}
+    assert {torch.cuda.current_stream(device).stream_id, side.stream_id} <= streams

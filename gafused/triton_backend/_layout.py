@@ -6,13 +6,18 @@ covers every segment of a buffer, however many there are, and alignment padding 
 never touched (each block masks at its segment's end). The table depends only on the layout, so it is
 built once per (device, offsets, numels) and cached.
 
+Devices and streams: a Triton launch runs on torch's *current* CUDA device and that device's current stream,
+not on the device of its arguments. Every op is therefore wrapped in ``on_acc_device``, so a buffer on
+``cuda:1`` is worked on by ``cuda:1`` on its current stream (the stream that produced its gradients and that
+queued its table copies) whichever device is current, as a torch op on that buffer would be.
+
 Gradients are separate tensors. A launch reaches all gradients of one dtype through one base pointer
 (the lowest-addressed gradient of that dtype) plus a per-segment int64 table of element offsets
 ``(grad.data_ptr() - base.data_ptr()) // itemsize``. That is plain pointer arithmetic inside the
 kernel, so the same kernel code runs on a GPU and under TRITON_INTERPRET=1 on CPU tensors (where the
 interpreter computes addresses over real host memory). The caching allocator hands a training loop the
 same gradient addresses micro-batch after micro-batch, so the device copy of a table is kept for the
-last few address patterns and reused: a repeated pattern costs no host-to-device copy at all.
+last few address patterns (per stream) and reused: a repeated pattern costs no host-to-device copy at all.
 
 Wide loads: a full block (every lane inside its segment) takes an unmasked path, and the kernels tell
 the compiler how its addresses are aligned through ``tl.multiple_of`` hints. The alignments are
@@ -24,14 +29,19 @@ promise: each one here is true of every program that reads through it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import triton
 import triton.language as tl
+
+R = TypeVar("R")
 
 # Sentinels in a gradient table; real entries are element offsets >= 0 from the launch's base pointer.
 NO_GRAD = -1  # the segment has no gradient: handled (zeroed / scaled / measured) by the first launch
@@ -123,8 +133,14 @@ def launch_config(numels: tuple[int, ...], itemsize: int = 4) -> tuple[int, int]
 
 @functools.lru_cache(maxsize=64)
 def _block_table(
-    device: torch.device, itemsize: int, acc_numel: int, offsets: tuple[int, ...], numels: tuple[int, ...]
+    device: torch.device,
+    stream: int | None,
+    itemsize: int,
+    acc_numel: int,
+    offsets: tuple[int, ...],
+    numels: tuple[int, ...],
 ) -> BlockTable:
+    del stream  # part of the cache key only: see _stream_key
     if len(offsets) != len(numels):
         raise ValueError(f"offsets and numels must have the same length, got {len(offsets)} and {len(numels)}")
     for start, numel in zip(offsets, numels, strict=True):
@@ -151,9 +167,27 @@ def _block_table(
     )
 
 
+def on_acc_device(op: Callable[..., R]) -> Callable[..., R]:
+    """Run ``op(acc, ...)`` with ``acc``'s CUDA device current (unchanged for CPU tensors): see the module docstring."""
+
+    @functools.wraps(op)
+    def run(acc: torch.Tensor, *args: Any, **kwargs: Any) -> R:
+        with torch.cuda.device(acc.device) if acc.is_cuda else contextlib.nullcontext():
+            return op(acc, *args, **kwargs)
+
+    return run
+
+
+def _stream_key(acc: torch.Tensor) -> int | None:
+    # Device tables are cached per stream: a cached table is read only on the stream that allocated it, so its
+    # launches are ordered after its copy, and the allocator, which reuses a freed block once that stream is past
+    # it, frees an evicted table safely.
+    return torch.cuda.current_stream(acc.device).stream_id if acc.is_cuda else None
+
+
 def block_table(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> BlockTable:
     """The cached block table of this layout on ``acc``'s device (built and checked on first use)."""
-    return _block_table(acc.device, acc.element_size(), acc.numel(), tuple(offsets), tuple(numels))
+    return _block_table(acc.device, _stream_key(acc), acc.element_size(), acc.numel(), tuple(offsets), tuple(numels))
 
 
 def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -197,7 +231,7 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
     """
     keep_alive: list[torch.Tensor] = []
     flat: list[torch.Tensor | None] = []
-    key: list[object] = [acc.device]
+    key: list[object] = [acc.device, _stream_key(acc)]
     for grad in grads:
         if grad is None or grad.numel() == 0:
             flat.append(None)

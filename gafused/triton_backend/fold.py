@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import OTHER_LAUNCH, block_position, block_table, grad_tables
+from gafused.triton_backend._layout import OTHER_LAUNCH, block_position, block_table, grad_tables, on_acc_device
 from gafused.triton_backend.norm import reduce_partials
 
 __all__ = ["fold_", "fold_finish_"]
@@ -153,6 +153,7 @@ def _launch(
     return total, flag
 
 
+@on_acc_device
 def fold_(
     acc: torch.Tensor,
     grads: list[torch.Tensor | None],
@@ -174,6 +175,7 @@ def fold_(
     _launch(acc, grads, offsets, numels, weight, None, first)
 
 
+@on_acc_device
 def fold_finish_(
     acc: torch.Tensor,
     grads: list[torch.Tensor | None],

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import REDUCE_BLOCK, BlockTable, block_position, block_table
+from gafused.triton_backend._layout import REDUCE_BLOCK, BlockTable, block_position, block_table, on_acc_device
 
 __all__ = ["reduce_partials", "sum_of_squares"]
 
@@ -116,6 +116,7 @@ def reduce_partials(
     return sums, None if flag_out is None else flag_out.view(torch.bool)
 
 
+@on_acc_device
 def sum_of_squares(acc: torch.Tensor, offsets: list[int], numels: list[int], per_segment: bool) -> torch.Tensor:
     """Sum of squares of all segments (0-d), or of each segment (shape [len(offsets)]), in ``acc.dtype``.
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import block_position, block_table
+from gafused.triton_backend._layout import block_position, block_table, on_acc_device
 
 __all__ = ["scale_"]
 
@@ -67,6 +67,7 @@ def _to_bfloat16(value):
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@on_acc_device
 def scale_(
     acc: torch.Tensor,
     offsets: list[int],
