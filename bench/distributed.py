@@ -418,6 +418,7 @@ def run_recipe(recipe: Recipe, config: Config, rank: int, reference: Reference, 
         "param_error_vs_float64": errors[0],
         "param_error_vs_ddp": errors[1],
         "gafused_buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers) if opt is not None else None,
+        "gafused_params": sum(len(buffer) for buffer in opt.buffers) if opt is not None else None,
         "gafused_buffer_bytes": sum(b.numel * b.data.element_size() for b in opt.buffers) if opt is not None else None,
         "gafused_backend": opt.backend if opt is not None else None,
     }
@@ -510,6 +511,7 @@ def _row(recipe: Recipe, per_rank: list[dict[str, Any]], numel: int, float64_nor
         "error_bound": bound,
         "check": check,
         "gafused_buckets": first["gafused_buckets"],
+        "gafused_params": first["gafused_params"],
         "gafused_buffer_bytes": first["gafused_buffer_bytes"],
         "gafused_backend": first["gafused_backend"],
     }

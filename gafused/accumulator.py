@@ -29,8 +29,10 @@ recompile for, every micro-step).
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+import operator
 import warnings
 import weakref
 from collections import OrderedDict
@@ -236,7 +238,10 @@ class GradAccumulator(torch.optim.Optimizer):
         self._global: bool = model is not None  # windows end with collectives (every rank takes part)
         self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes, sync)
         self._home: torch.device = self._groups[0].buffer.device
-        self._managed_count: int = sum(len(group.params) for group in self._groups)
+        # In the inner optimizer's order: a parameter swapped there would be stepped with a gradient never folded.
+        self._managed: tuple[torch.Tensor, ...] = tuple(
+            param for param_group in optimizer.param_groups for param in param_group["params"]
+        )
 
         self.micro_step: int = 0
         self.stepped: bool = False
@@ -263,10 +268,16 @@ class GradAccumulator(torch.optim.Optimizer):
         self._reducing = False  # folding the last micro-batch of a window whose buckets gafused reduces
         self._ready: set[tuple[int, int]] = set()
         self._pending: dict[tuple[int, int], Any] = {}
+        # Gradients that reached a bucket after its reduction had started (see _fold_late), per bucket.
+        self._late: dict[tuple[int, int], FlatGradBuffer] = {}
+        # Across ranks: per parameter, how many ranks gave it a gradient in the window, then per bucket, how many
+        # folded late (float64, home device); read at the window's one host sync.
+        self._rank_flags: torch.Tensor | None = None
         self._model_hook: torch.utils.hooks.RemovableHandle | None = None
         if model is not None:
             # FSDP2 assigns gradients without autograd's tensor hooks: release published ones before a forward.
             self._model_hook = model.register_forward_pre_hook(_release_published_before_forward(self))
+        sync.attach()  # last: a refused construction leaves the model's own synchronization as it was
 
     def __del__(self) -> None:
         hooks = getattr(self, "_hooks", None)
@@ -421,14 +432,15 @@ class GradAccumulator(torch.optim.Optimizer):
             inputs: as in ``torch.autograd.backward``.
         """
         _check_bool(end_window, "end_window")
-        self._check_param_set()
+        self._check_param_set(identity=self._micro is None and self.micro_step == 0)
         micro = self._micro
         if micro is None:
             w, bad = self._weight_tensor(weight)
         elif weight is not None and not _same_weight(weight, micro.given):
             raise ValueError(
                 f"weight: this micro-batch's weight was given as {micro.given!r} by an earlier backward(); "
-                f"got {weight!r} (pass the same weight or None, and call step() to end the micro-batch)"
+                f"got {weight!r} (pass an equal number or CPU tensor, the same GPU tensor, or None; call step() to "
+                "end the micro-batch)"
             )
         elif micro.last and self._sync.reduces_buckets:
             raise RuntimeError(
@@ -508,7 +520,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 "passed by keyword: step(weight=w)"
             )
         _check_bool(end_window, "end_window")
-        self._check_param_set()
+        micro = self._micro
+        ending = end_window or self._counted_last() or (micro is not None and micro.ends_window)
+        self._check_param_set(identity=self.micro_step == 0 or ending)
         if closure is None:
             self._end_micro_batch(weight, end_window)
             return None
@@ -580,7 +594,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
         With ``model=`` it is a collective call: every rank calls it, after the same number of micro-batches.
         """
-        self._check_param_set()
+        self._check_param_set(identity=True)
         if self._micro is not None:
             raise RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
         unfolded = [
@@ -597,7 +611,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if self._global:
             self._sync.check_window_end()
             sums = self._reduced_window_sums(self.micro_step)
-            count, squares = sums[2:].tolist()
+            count, squares = sums[2:4].tolist()
             if count == 0:
                 self.stepped = False
                 return False
@@ -683,6 +697,8 @@ class GradAccumulator(torch.optim.Optimizer):
         1 / loss scale."""
         if self._sync.weight_in_loss:
             w = torch.full_like(w, self._sync.fold_factor)
+        if self._inv_loss_scale is None and self.grad_scaler is not None:  # a window resumed from a checkpoint
+            self._inv_loss_scale = self._read_inv_loss_scale()
         return w if self._inv_loss_scale is None else w * self._inv_loss_scale
 
     def on_bucket_ready(self, group_index: int, bucket_index: int) -> None:
@@ -718,7 +734,10 @@ class GradAccumulator(torch.optim.Optimizer):
             self._micro.folded_in_call = True
         if self._reducing:
             self._bucket_folded(self._groups.index(group), bucket_index)
-        indices = group.buffer.bucket_ranges[bucket_index]
+        self._release_folded(group, group.buffer.bucket_ranges[bucket_index], grads)
+
+    @staticmethod
+    def _release_folded(group: _Group, indices: range, grads: list[torch.Tensor | None]) -> None:
         for index, grad in zip(indices, grads, strict=True):
             if grad is not None:
                 group.had_grad[index] = True
@@ -726,11 +745,27 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _fold_held_buckets(self, grads: list[list[torch.Tensor | None]]) -> None:
         """Fold every bucket that still holds gradients (parameters unused by, or seen twice in, a backward)."""
-        for group, group_grads in zip(self._groups, grads, strict=True):
+        for group_index, (group, group_grads) in enumerate(zip(self._groups, grads, strict=True)):
             for bucket_index, indices in enumerate(group.buffer.bucket_ranges):
                 bucket_grads = group_grads[indices.start : indices.stop]
                 if any(grad is not None for grad in bucket_grads):
-                    self._fold_bucket(group, bucket_index, bucket_grads)
+                    if self._reducing and (group_index, bucket_index) in self._pending:
+                        self._fold_late(group_index, bucket_index, bucket_grads)
+                    else:
+                        self._fold_bucket(group, bucket_index, bucket_grads)
+
+    def _fold_late(self, group_index: int, bucket_index: int, grads: list[torch.Tensor | None]) -> None:
+        """Gradients for a bucket already on the wire (the counters said it was complete, but a parameter got a
+        second gradient, e.g. used twice under reentrant checkpointing, or has no hook, e.g. unfrozen after the
+        accumulator was built): fold them into a zeroed copy of the bucket's layout, which every rank reduces and
+        adds when the window ends (_reduce_late)."""
+        group = self._groups[group_index]
+        bucket = group.buffer.buckets[bucket_index]
+        part = self._late.get((group_index, bucket_index))
+        if part is None:
+            part = self._late[(group_index, bucket_index)] = _zeros_like_layout(bucket)
+        ops.fold_(part, grads, group.fold_weight, first=False, backend=group.backend, check=False)
+        self._release_folded(group, group.buffer.bucket_ranges[bucket_index], grads)
 
     def _finish_untouched_buckets(self, group: _Group, last: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """At step(): a bucket no gradient reached is zeroed (window's first micro-batch) or finished (last)."""
@@ -796,6 +831,7 @@ class GradAccumulator(torch.optim.Optimizer):
             self._sync.wait_bucket(self._groups[group_index].buffer.buckets[bucket_index], pending)
         self._pending.clear()
         self._ready.clear()
+        self._late.clear()
         self._reducing = False
 
     def _check_ready_to_reduce(self, micro: _MicroBatch | None, grads: list[list[torch.Tensor | None]]) -> None:
@@ -809,8 +845,11 @@ class GradAccumulator(torch.optim.Optimizer):
         self._sync.check_window_end()
 
     def _reduced_window_sums(self, count: int) -> torch.Tensor:
-        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared) over the ranks."""
-        local = torch.zeros(4, dtype=torch.float64, device=self._home)
+        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, then a had-gradient flag per
+        parameter and a folded-late flag per bucket) over the ranks."""
+        flags = [float(had) for group in self._groups for had in group.had_grad]
+        flags += [float(key in self._late) for key in self._reduce_order]
+        local = torch.tensor([0.0, 0.0, 0.0, 0.0, *flags], dtype=torch.float64).to(self._home)
         if count > 0:
             local[0] = self._weight_sum
             if self._bad_weight is not None:
@@ -824,8 +863,10 @@ class GradAccumulator(torch.optim.Optimizer):
         global weight sum and measure them, then finish as one process would."""
         if self._sync.reduces_buckets:
             self._launch_reductions(len(self._reduce_order))
+        self._sync.window_ended()
         self._weight_sum = sums[0]
         self._bad_weight = sums[1] > 0
+        self._rank_flags = sums[4:]
         # Equal counts on every rank exactly when sum(c^2) * ranks == (sum c)^2.
         self._rank_mismatch = sums[3] * self._sync.world_size != sums[2] * sums[2]
         scale = self._window_scale(self._weight_sum)
@@ -851,13 +892,28 @@ class GradAccumulator(torch.optim.Optimizer):
 
     # --- window internals -------------------------------------------------------------------------------
 
-    def _check_param_set(self) -> None:
-        count = sum(len(param_group["params"]) for param_group in self.optimizer.param_groups)
-        if count != self._managed_count:
+    def _check_param_set(self, identity: bool) -> None:
+        """Refuse an inner optimizer whose parameters changed: their number on every call, and (``identity``, at
+        a window's first and last micro-batch, where it costs about 20 ns per parameter) which tensors they are."""
+        groups = self.optimizer.param_groups
+        count = sum(len(param_group["params"]) for param_group in groups)
+        if count != len(self._managed):
             raise RuntimeError(
                 f"the inner optimizer now has {count} parameters, GradAccumulator was built for "
-                f"{self._managed_count}; build a new GradAccumulator after add_param_group()"
+                f"{len(self._managed)}; build a new GradAccumulator after add_param_group()"
             )
+        current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
+        if not identity or all(map(operator.is_, current, self._managed)):
+            return
+        built_with = iter(self._managed)
+        for g, param_group in enumerate(groups):
+            for i, param in enumerate(param_group["params"]):
+                if param is not next(built_with):
+                    raise RuntimeError(
+                        f"the inner optimizer's param_groups[{g}]['params'][{i}] is not the parameter "
+                        "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
+                        "optimizer's parameters"
+                    )
 
     def _weight_tensor(self, weight: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight as a float64 0-d tensor on the home device, and a device flag for unchecked tensor values."""
@@ -926,13 +982,16 @@ class GradAccumulator(torch.optim.Optimizer):
         self._weight_sum = None
         self._bad_weight = None
         self._window_lrs = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
-        if self.grad_scaler is not None:
-            scale = self.grad_scaler._get_scale_async()
-            if scale is None:
-                raise RuntimeError("grad_scaler has no scale yet: call scaler.scale(loss).backward() before step()")
-            self._inv_loss_scale = scale.to(device=self._home, dtype=torch.float64).reciprocal()
-        else:
-            self._inv_loss_scale = None
+        self._inv_loss_scale = self._read_inv_loss_scale()
+
+    def _read_inv_loss_scale(self) -> torch.Tensor | None:
+        """1 / the GradScaler's scale (float64, home device), or None without a scaler."""
+        if self.grad_scaler is None:
+            return None
+        scale = self.grad_scaler._get_scale_async()
+        if scale is None:
+            raise RuntimeError("grad_scaler has no scale yet: call scaler.scale(loss).backward() before step()")
+        return scale.to(device=self._home, dtype=torch.float64).reciprocal()
 
     def _check_lr_unchanged(self) -> None:
         """Warn once if the learning rate moves inside a window: a scheduler stepped per micro-batch."""
@@ -956,28 +1015,29 @@ class GradAccumulator(torch.optim.Optimizer):
         discarded (its gradients released, ``micro_step`` back to 0) and the error reaches the caller; training can
         go on with the next micro-batch.
         """
-        wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
-        norm_dtype = torch.float64 if wide else torch.float32
-        total = torch.stack([s.to(self._home, torch.float64, non_blocking=True) for s, _ in results]).sum()
-        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any()
-        total, found_inf = self._sync.reduce_norm(total, found_inf)  # FSDP2: every rank's shards
-        # A window whose weights sum to zero holds no data: skipped in either normalization (with "mean" every
-        # finished value would be nan, but an all-empty buffer has no value to show it).
-        empty_window = self._weight_sum <= 0
-        norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
-        found_inf = found_inf | empty_window
+        norm, found_inf = self._measure(results)
         bad_weight = self._bad_weight if self._bad_weight is not None else torch.zeros_like(found_inf)
         mismatch = self._rank_mismatch if self._rank_mismatch is not None else torch.zeros_like(found_inf)
         self._rank_mismatch = None
-        self.grad_norm = norm
-
-        nonfinite, bad, disagree = torch.stack([found_inf, bad_weight, mismatch]).tolist()
+        checks = torch.stack([found_inf, bad_weight, mismatch])
+        rank_flags, self._rank_flags = self._rank_flags, None
+        if rank_flags is None:
+            nonfinite, bad, disagree = checks.tolist()
+        else:  # the same one sync also reads which parameters and buckets the other ranks touched
+            values = torch.cat([checks.to(torch.float64), rank_flags]).tolist()
+            nonfinite, bad, disagree = (value != 0 for value in values[:3])
         if disagree:
             self._discard_window()
             raise RuntimeError(
                 f"step(): the ranks ended a window at different micro-steps (this rank: {self.micro_step}); "
                 "every rank must run the same number of micro-batches per window; the window was discarded"
             )
+        if rank_flags is not None:
+            late = self._adopt_rank_flags(values[3:])
+            if late:  # rare (see _fold_late): a second sync, for the norm of the completed buckets
+                norm, found_inf = self._measure(self._reduce_late(results, late))
+                nonfinite = bool(found_inf)
+        self.grad_norm = norm
         if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
             raise ValueError(
@@ -1012,6 +1072,52 @@ class GradAccumulator(torch.optim.Optimizer):
         self.micro_step = 0
         for post_hook in list(self._optimizer_step_post_hooks.values()):
             post_hook(self, (), {})
+
+    def _measure(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's global norm and non-finite flag from the (sum of squares, flag) of its finished pieces."""
+        wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
+        norm_dtype = torch.float64 if wide else torch.float32
+        total = torch.stack([s.to(self._home, torch.float64, non_blocking=True) for s, _ in results]).sum()
+        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any()
+        total, found_inf = self._sync.reduce_norm(total, found_inf)  # FSDP2: every rank's shards
+        # A window whose weights sum to zero holds no data: skipped in either normalization (with "mean" every
+        # finished value would be nan, but an all-empty buffer has no value to show it).
+        empty_window = self._weight_sum <= 0
+        norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
+        return norm, found_inf | empty_window
+
+    def _adopt_rank_flags(self, values: list[float]) -> list[tuple[int, int]]:
+        """Take the window's all-reduced flags: a parameter that got a gradient on any rank gets the finished
+        gradient on every rank (as DDP does); returns the buckets some rank folded late, in reduction order."""
+        position = 0
+        for group in self._groups:
+            count = len(group.params)
+            group.had_grad = [ranks > 0 for ranks in values[position : position + count]]
+            position += count
+        late = values[position:]
+        return [key for key, ranks in zip(self._reduce_order, late, strict=True) if ranks > 0]
+
+    def _reduce_late(
+        self, results: list[tuple[torch.Tensor, torch.Tensor]], late: list[tuple[int, int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Complete the buckets some rank folded late: every rank reduces its late part (zeros if it has none),
+        in the same order, and adds it, scaled, to the finished bucket, which is measured again."""
+        scale = self._window_scale(self._weight_sum)
+        results = list(results)
+        for key in late:
+            group_index, bucket_index = key
+            group = self._groups[group_index]
+            bucket = group.buffer.buckets[bucket_index]
+            part = self._late.pop(key, None)
+            if part is None:
+                part = _zeros_like_layout(bucket)
+            self._sync.wait_bucket(part, self._sync.start_bucket(part))
+            one = torch.ones((), dtype=bucket.accum_dtype, device=bucket.device)
+            results[self._reduce_order.index(key)] = ops.fold_finish_(
+                bucket, part.views(), scale.to(bucket.device), one, first=False, backend=group.backend
+            )
+        self._late.clear()
+        return results
 
     def _publish_grads(self, group: _Group, coef: torch.Tensor | None) -> None:
         """Apply the clip coefficient and hand the finished gradient to the inner optimizer as ``p.grad``.
@@ -1052,6 +1158,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self.micro_step = 0
         self._weight_sum = None
         self._bad_weight = None
+        self._rank_flags = None
 
     def _update_grad_scaler(self, found_inf: torch.Tensor) -> None:
         """What ``GradScaler.update`` does after ``GradScaler.step`` found (or did not find) inf in the grads."""
@@ -1139,7 +1246,9 @@ class GradAccumulator(torch.optim.Optimizer):
         self.skipped_steps = window["skipped_steps"]
         self._weight_sum = restore(window["weight_sum"])
         self._bad_weight = restore(window["bad_weight"])
-        self._inv_loss_scale = restore(window["inv_loss_scale"])
+        # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read
+        # at the next fold, unscales them. The folded part of the buffer is unscaled already.
+        self._inv_loss_scale = None
         self._window_lrs = None if window["window_lrs"] is None else list(window["window_lrs"])
         self.stepped = False
         for entry, group in zip(window["buffers"], self._groups, strict=True):
@@ -1187,7 +1296,7 @@ class GradAccumulator(torch.optim.Optimizer):
         for name, dtype, required in (
             ("weight_sum", torch.float64, open_window),
             ("bad_weight", torch.bool, False),
-            ("inv_loss_scale", torch.float64, open_window and self.grad_scaler is not None),
+            ("inv_loss_scale", torch.float64, False),
         ):
             value = window.get(name)
             if value is None:
@@ -1253,10 +1362,23 @@ def _same_weight(weight: Any, given: Any) -> bool:
     """Whether a later backward() of a micro-batch repeats the weight its first one gave."""
     if weight is given:
         return True
-    if isinstance(weight, torch.Tensor) or isinstance(given, torch.Tensor):
-        return False  # device tensors cannot be compared without a sync: pass the same tensor, or None
-    first = 1.0 if given is None else _real_number(given)
-    return _real_number(weight) == first
+
+    def host_value(value: Any) -> float | None:  # None for a device tensor: no comparison without a sync
+        if value is None:
+            return 1.0
+        if isinstance(value, torch.Tensor):
+            return float(value.item()) if value.device.type == "cpu" and value.dim() == 0 else None
+        return _real_number(value)
+
+    first, again = host_value(given), host_value(weight)
+    return first is not None and first == again
+
+
+def _zeros_like_layout(bucket: FlatGradBuffer) -> FlatGradBuffer:
+    """A zeroed buffer with ``bucket``'s segments at the same offsets (a bucket starts at an aligned offset)."""
+    copy = FlatGradBuffer(bucket.params, bucket.accum_dtype, bucket.alignment_bytes, bucket_bytes=1 << 62)
+    assert copy.offsets == bucket.offsets and copy.numel == bucket.numel, "bucket layout not reproducible"
+    return copy
 
 
 def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:

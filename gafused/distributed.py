@@ -4,7 +4,8 @@ The finished gradient of a window is ``sum over ranks and micro-batches of w * g
 of weights (docs/design.md section 4b). How the sum over ranks is made depends on the wrapper:
 
 - DDP (``DistributedDataParallel``): DDP's own all-reduce is turned off for good (as under ``no_sync()``), so
-  the micro-batches of a window send nothing. On the window's last micro-batch each bucket of the flat buffer
+  the micro-batches of a window send nothing; after each window DDP's next forward broadcasts the module
+  buffers, as it does after a synchronized micro-batch. On the window's last micro-batch each bucket of the flat buffer
   is all-reduced once, in bucket order, as soon as it is folded (during backward when the weight came up
   front). Every rank then holds the same summed buffer, scales it by 1 / global weight sum and measures it:
   the norm is global without another collective, and the replicas stay bitwise identical.
@@ -15,7 +16,10 @@ of weights (docs/design.md section 4b). How the sum over ranks is made depends o
   is the all-reduced sum of the shards' squares.
 
 Either way one small all-reduce per window carries the weight sum (float64, exact for any token count), the
-bad-weight flag and the micro-step count (to catch ranks that disagree on where the window is).
+bad-weight flag, the micro-step count (to catch ranks that disagree on where the window is), and per parameter
+whether the rank gave it a gradient (one that got a gradient on any rank is stepped on every rank, as under DDP)
+and per bucket whether the rank folded gradients after the bucket's reduction had started (see
+``GradAccumulator._fold_late``).
 """
 
 from __future__ import annotations
@@ -90,6 +94,14 @@ class Sync:
     def reduce_norm(self, sum_sq: torch.Tensor, nonfinite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sum_sq, nonfinite
 
+    def attach(self) -> None:
+        """Take over the wrapper's gradient synchronization (once the accumulator is built)."""
+        return None
+
+    def window_ended(self) -> None:
+        """A window's gradients were reduced across ranks."""
+        return None
+
     def before_backward(self, last: bool) -> None:
         return None
 
@@ -105,11 +117,19 @@ class DDPSync(Sync):
     name = "ddp"
 
     def __init__(self, model: torch.nn.Module, reduce_dtype: torch.dtype | None) -> None:
+        self._model = model
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
         self.reduce_dtype = reduce_dtype
+
+    def attach(self) -> None:
         # Off for good: the window's micro-batches send nothing; DDP's no_sync() restores this value on exit.
-        model.require_backward_grad_sync = False
+        self._model.require_backward_grad_sync = False
+
+    def window_ended(self) -> None:
+        # What a synchronized backward leaves behind in DDP: its next forward broadcasts rank 0's module buffers
+        # (BatchNorm statistics; unless broadcast_buffers=False), once per window as with no_sync().
+        self._model.require_forward_param_sync = True
 
     def reduce_window(self, values: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(values, group=self.group)

@@ -30,6 +30,12 @@ MAX_NORM = 0.5
 BUCKET_BYTES = 256  # several buckets on a 6-parameter model
 
 
+def window_sums_bytes(params: int, buckets: int) -> int:
+    """The float64 all-reduce that ends a window: weight sum, bad-weight flag, micro-step count and its square,
+    then one had-gradient flag per parameter and one folded-late flag per bucket."""
+    return 8 * (4 + params + buckets)
+
+
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -232,6 +238,7 @@ def run_case(
         "ddp_own_all_reduces": DDP_OWN_ALL_REDUCES[0],
         "seen_by_first_layer": seen_by_first_layer,
         "buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers),
+        "managed_params": sum(len(buffer) for buffer in opt.buffers),
         "bucket_bytes": sum(buffer.numel * buffer.data.element_size() for buffer in opt.buffers),
     }
 
@@ -275,6 +282,124 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+# --- models whose gradients arrive irregularly ---------------------------------------------------------------
+
+
+class Branchy(torch.nn.Module):
+    """``inp``, then ``shared`` applied twice (optionally in two reentrant checkpoints, so its gradient lands
+    twice in one backward), then ``extra`` where the caller asks for it (only some ranks), then ``out``."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(6, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 3)
+        self.to(dtype)
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor, use_extra: bool, reentrant: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = checkpoint(self._block, h, use_reentrant=True) if reentrant else self._block(h)
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.out(h)
+
+
+# name -> (extra used on which ranks, shared weight under reentrant checkpoints, extra frozen at construction)
+IRREGULAR: dict[str, tuple[tuple[int, ...], bool, bool]] = {
+    "used on one rank only": ((1,), False, False),
+    "shared in two reentrant checkpoints": ((), True, False),
+    "unfrozen after construction": ((0, 1), False, True),
+}
+IRREGULAR_WINDOWS = 2
+
+
+def irregular_truth(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Float64, one process, every rank's micro-batches in one big batch per window: (final, initial) params."""
+    extra_on, _, _ = IRREGULAR[name]
+    model = Branchy(torch.float64)
+    initial = [p.detach().clone() for p in model.parameters()]
+    for window in range(IRREGULAR_WINDOWS):
+        model.zero_grad()
+        total, weight_sum = torch.zeros((), dtype=torch.float64), 0
+        for rank in range(WORLD):
+            for micro in range(N):
+                x, y = micro_batch(rank, window, micro, dtype=torch.float64)
+                total = total + ((model(x, rank in extra_on, False) - y) ** 2).sum()
+                weight_sum += x.shape[0]
+        (total / weight_sum).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= LR * p.grad
+    return [p.detach().clone() for p in model.parameters()], initial
+
+
+def run_irregular(rank: int, name: str) -> list[torch.Tensor]:
+    """DDP + opt.backward() on a Branchy model (buckets of one tensor or so); the final params of this rank."""
+    import gafused
+
+    extra_on, reentrant, frozen = IRREGULAR[name]
+    model = Branchy()
+    if frozen:
+        model.extra.weight.requires_grad_(False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = gafused.GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=LR), N, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES, model=ddp
+    )
+    if frozen:  # no gradient hook: its gradients are found when backward returns, after its bucket was sent
+        model.extra.weight.requires_grad_(True)
+    for window in range(IRREGULAR_WINDOWS):
+        for micro in range(N):
+            x, y = micro_batch(rank, window, micro)
+            loss = ((ddp(x, rank in extra_on, reentrant) - y) ** 2).sum(-1).mean()
+            opt.backward(loss, weight=x.shape[0])
+            opt.step()
+            opt.zero_grad()
+        assert opt.stepped
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_batchnorm(rank: int, accumulate: str) -> list[torch.Tensor]:
+    """A model with BatchNorm trained for two windows under DDP, by gafused or by plain DDP with ``no_sync()``,
+    then one eval forward (where DDP broadcasts rank 0's buffers when due); this rank's running statistics."""
+    import gafused
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = gafused.GradAccumulator(inner, N, model=ddp) if accumulate == "gafused" else None
+    for window in range(2):
+        for micro in range(N):
+            x, y = micro_batch(rank, window, micro)
+            x = torch.cat([x, x + 1])  # BatchNorm needs two rows or more
+            quiet = ddp.no_sync() if opt is None and micro < N - 1 else contextlib.nullcontext()
+            with quiet:
+                loss = ((ddp(x) - torch.cat([y, y])) ** 2).mean()
+                if opt is not None:
+                    opt.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    (loss / N).backward()
+            if opt is None and micro == N - 1:
+                inner.step()
+                inner.zero_grad()
+    ddp.eval()
+    with torch.no_grad():
+        ddp(micro_batch(rank, 9, 0)[0])
+    return [model[1].running_mean.clone(), model[1].running_var.clone()]
+
+
 def _misuse(rank: int) -> dict[str, str]:
     """What the accumulator says to recipes it refuses, as (case -> message or 'no error')."""
     import gafused
@@ -292,6 +417,12 @@ def _misuse(rank: int) -> dict[str, str]:
         said["stray param"] = "no error"
     except ValueError as error:
         said["stray param"] = str(error)
+    try:  # refused after the model was looked at: DDP must keep its own synchronization
+        gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp, backend="cuda")
+        said["refused construction"] = "no error"
+    except RuntimeError as error:
+        said["refused construction"] = str(error)
+    said["ddp sync after a refused construction"] = str(ddp.require_backward_grad_sync)
     fsdp = _wrap("fsdp", rank)
     opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), N, model=fsdp)
     x, y = micro_batch(rank, 0, 0)
@@ -330,6 +461,12 @@ def _rank(rank: int, port: int, out: str) -> None:
         except Exception as error:  # reported by the test, named
             results[name] = {"error": f"{type(error).__name__}: {error}"}
     results["misuse"] = _misuse(rank)
+    for name in IRREGULAR:
+        try:
+            results[f"irregular: {name}"] = run_irregular(rank, name)
+        except Exception as error:  # reported by the test, named
+            results[f"irregular: {name}"] = {"error": f"{type(error).__name__}: {error}"}
+    results["batchnorm"] = {accumulate: run_batchnorm(rank, accumulate) for accumulate in ("gafused", "no_sync")}
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)
     if rank == 0:

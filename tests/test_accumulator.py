@@ -753,3 +753,79 @@ def test_device_tensor_weight_checked_at_window_end():
     assert opt.micro_step == 0 and not opt.stepped
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
+
+
+@pytest.mark.parametrize("when", ["window start", "window end"])
+def test_parameter_swapped_in_the_inner_optimizer_is_refused(loop, when):
+    """Same count, another tensor: its gradient would never be folded, so the window's first and last micro-batch
+    refuse it, naming where it sits, before anything changes."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, accumulation_steps=2)
+    batches = _data([3, 4])
+    if when == "window end":
+        _micro_step(opt, model, *batches[0], loop)
+    inner.param_groups[0]["params"][1] = torch.nn.Parameter(model[0].bias.detach().clone())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] is not the parameter"):
+        _micro_step(opt, model, *batches[1], loop)
+    assert opt.micro_step == (1 if when == "window end" else 0) and not opt.stepped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _micro_step(opt, model, x, y, loop):
+    if loop == "backward":
+        opt.backward(_loss(model, x, y), weight=len(x))
+        opt.step()
+    else:
+        _loss(model, x, y).backward()
+        opt.step(weight=len(x))
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("resumed_with", ["no scaler", "a scaler at another scale"])
+def test_mid_window_checkpoint_taken_under_a_loss_scale_resumes_exactly(loop, resumed_with):
+    """The folded part of a checkpointed window is unscaled already; the rest is unscaled with the loss scale of
+    the accumulator that resumes it (none, or its own scaler's), not the one saved."""
+    batches = _data([3, 5])
+    model = _model()
+    reference = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    x, y = batches[0]
+    if loop == "backward":
+        opt.backward(_loss(model, x, y), weight=len(x))
+        opt.step()
+    else:
+        scaler.scale(_loss(model, x, y)).backward()
+        opt.step(weight=len(x))
+    opt.zero_grad()
+    state = opt.state_dict()
+
+    other = torch.amp.GradScaler("cpu", init_scale=2.0**16) if resumed_with != "no scaler" else None
+    resumed = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=other)
+    resumed.load_state_dict(state)
+    x, y = batches[1]
+    loss = _loss(model, x, y)
+    if loop == "backward":
+        resumed.backward(loss, weight=len(x))
+        resumed.step()
+    else:
+        (loss if other is None else other.scale(loss)).backward()
+        resumed.step(weight=len(x))
+    assert resumed.stepped
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    _assert_same_params(model, reference, 1e-12)
+
+
+def test_an_equal_cpu_tensor_weight_may_be_repeated_by_a_later_backward():
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    x, y = _data([3])[0]
+    opt.backward(_loss(model, x, y), weight=torch.tensor(3.0), retain_graph=True)
+    opt.backward(_loss(model, x, y), weight=torch.tensor(3.0, dtype=torch.float64), retain_graph=True)
+    opt.backward(_loss(model, x, y), weight=3)
+    with pytest.raises(ValueError, match=r"given as tensor\(3\.\).*got tensor\(2\.\).*equal number or CPU tensor"):
+        opt.backward(_loss(model, x, y), weight=torch.tensor(2.0))
+    opt.step()
+    assert opt.micro_step == 1

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from distributed_cases import window_sums_bytes
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "distributed.py"
 N = 4
-WINDOW_SUMS_BYTES = 32  # the float64 all-reduce of a window's weight sum, bad-weight flag and micro-step count
 NORM_BYTES = 16  # FSDP2: the float64 all-reduce of the shards' sum of squares and non-finite flag
 ROWS = [
     "ddp",
@@ -74,14 +75,16 @@ def test_gafused_ddp_sends_one_all_reduce_per_bucket_per_window_plus_the_window_
     assert row["gafused_buckets"] > 1
     assert row["collectives_by_kind"] == {"all-reduce": row["gafused_buckets"] + 1}  # DDP's own: none
     element = 2 if name.endswith("bf16") else 4
-    assert row["bytes"] == row["gafused_buffer_bytes"] // 4 * element + WINDOW_SUMS_BYTES
+    window_sums = window_sums_bytes(row["gafused_params"], row["gafused_buckets"])
+    assert row["bytes"] == row["gafused_buffer_bytes"] // 4 * element + window_sums
 
 
 @pytest.mark.parametrize("name", ["gafused-fsdp2", "gafused-fsdp2-no_sync"])
 def test_gafused_fsdp2_adds_two_small_all_reduces_to_fsdp2s_own_traffic(rows: dict[str, dict], name: str) -> None:
     row, plain = rows[name], rows[name.removeprefix("gafused-")]
     assert row["collectives_by_kind"] == {**plain["collectives_by_kind"], "all-reduce": 2}
-    assert row["bytes"] == plain["bytes"] + WINDOW_SUMS_BYTES + NORM_BYTES
+    window_sums = window_sums_bytes(row["gafused_params"], row["gafused_buckets"])
+    assert row["bytes"] == plain["bytes"] + window_sums + NORM_BYTES
 
 
 def test_reducing_every_micro_batch_costs_n_times_one_reduction_per_window(rows: dict[str, dict]) -> None:

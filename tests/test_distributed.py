@@ -133,12 +133,13 @@ def test_checkpoint_mid_window_resumes_bitwise(ranks: list[dict], loop: str) -> 
 @pytest.mark.parametrize("name", [name for name in EXACT_CASES if name.startswith("ddp")] + ["ddp-backward-bf16"])
 def test_ddp_one_collective_per_bucket_per_window(ranks: list[dict], name: str) -> None:
     """Nothing goes over the wire before a window's last micro-batch; then each bucket once, plus the window's
-    weight sum (32 bytes); DDP's own bucket all-reduce never runs."""
+    window sums (window_sums_bytes); DDP's own bucket all-reduce never runs."""
     result = _result(ranks, name)
     assert result["buckets"] > 1
     assert result["wire_before_last"] == [0] * len(cases.WINDOWS)
     element = 2 if cases.CASES[name].get("reduce_dtype") == torch.bfloat16 else 4
-    wire_bytes = result["bucket_bytes"] // 4 * element + 32
+    window_sums = cases.window_sums_bytes(result["managed_params"], result["buckets"])
+    wire_bytes = result["bucket_bytes"] // 4 * element + window_sums
     assert result["wire"] == [(result["buckets"] + 1, wire_bytes)] * len(cases.WINDOWS)
     assert result["ddp_own_all_reduces"] == 0
 
@@ -170,7 +171,36 @@ def test_fsdp_sends_only_the_window_sums_and_the_norm(ranks: list[dict], name: s
     """FSDP2 reduce-scatters the gradients itself; gafused adds two small all-reduces per window."""
     result = _result(ranks, name)
     assert result["wire_before_last"] == [0] * len(cases.WINDOWS)
-    assert result["wire"] == [(2, 32 + 16)] * len(cases.WINDOWS)
+    window_sums = cases.window_sums_bytes(result["managed_params"], result["buckets"])
+    assert result["wire"] == [(2, window_sums + 16)] * len(cases.WINDOWS)
+
+
+@pytest.mark.parametrize("name", list(cases.IRREGULAR))
+def test_irregular_gradients_match_float64_and_ranks_agree(ranks: list[dict], name: str) -> None:
+    """A parameter used on one rank only is stepped on every rank (as DDP does); gradients that land after
+    their bucket's all-reduce started (a weight shared by two reentrant checkpoints, a parameter unfrozen after
+    the accumulator was built) are reduced too: every rank ends equal, at the float64 big batch's result."""
+    results = [ranks[rank][f"irregular: {name}"] for rank in range(cases.WORLD)]
+    for rank, result in enumerate(results):
+        assert not isinstance(result, dict), f"{name} on rank {rank}: {result['error']}"
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+    truth, initial = cases.irregular_truth(name)
+    for index, (param, want, start) in enumerate(zip(results[0], truth, initial, strict=True)):
+        if torch.equal(want, start):  # no gradient anywhere (extra, when no rank uses it): not stepped
+            assert torch.equal(param.double(), start), index
+        else:
+            assert float((param.double() - want).norm() / (want - start).norm()) < FP32_ERROR, index
+
+
+def test_module_buffers_are_broadcast_once_per_window_as_under_no_sync(ranks: list[dict]) -> None:
+    """DDP broadcasts rank 0's buffers (BatchNorm statistics) at the forward after a synchronized backward: with
+    gafused as with plain DDP and no_sync(), the ranks hold rank 0's statistics after it."""
+    for accumulate in ("gafused", "no_sync"):
+        stats = [ranks[rank]["batchnorm"][accumulate] for rank in range(cases.WORLD)]
+        assert all(torch.equal(a, b) for a, b in zip(stats[0], stats[1], strict=True)), accumulate
+    gafused_stats, plain_stats = ranks[0]["batchnorm"]["gafused"], ranks[0]["batchnorm"]["no_sync"]
+    for ours, plain in zip(gafused_stats, plain_stats, strict=True):
+        torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_misuse_is_never_silent(ranks: list[dict]) -> None:
@@ -181,6 +211,8 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "opt.backward(loss, weight=w)" in said["fsdp step weight"]
         assert said["fsdp step weight micro_step"] == "0"  # the refused step changed nothing
         assert "end_window=True" in said["fsdp no_sync end at step"]
+        assert "cuda" in said["refused construction"]
+        assert said["ddp sync after a refused construction"] == "True"  # a refused construction changed nothing
 
 
 def test_no_warning_without_distributed() -> None:

@@ -58,7 +58,9 @@ def _runs(saved: dict, name: str) -> list[tuple[str, list[dict]]]:
 @pytest.fixture(scope="module")
 def measured(saved: dict) -> dict:
     """Each case compared with its float64 truth once: name -> [(where, comparison)] for 1 process and 2 ranks."""
-    return {name: [(where, cases.compare(results)) for where, results in _runs(saved, name)] for name in cases.CASES}
+    return {
+        name: [(where, cases.compare(results)) for where, results in _runs(saved, name)] for name in cases.ALL_CASES
+    }
 
 
 @pytest.mark.parametrize("name", GAFUSED)
@@ -75,6 +77,20 @@ def test_trainer_own_accumulation_is_off_on_the_same_data(measured: dict, name: 
     """The same comparison fails for Trainer's own accumulation: the data make the test able to fail."""
     for where, comparison in measured[name]:
         assert comparison["error"] > 1e-2, (where, comparison)
+
+
+@pytest.mark.parametrize("name", list(cases.SCALED_CASES))
+def test_compute_loss_scaled_for_ga_equals_plain_trainer_with_ddp(measured: dict, name: str) -> None:
+    """A compute_loss of the user's that declares loss_is_scaled_for_ga=True, with num_items_in_batch or without
+    (the model takes no loss kwargs), on 1 process and 2 ranks: the truth is what plain Trainer + DDP computes with
+    that loss, the ranks' micro-batch losses summed and averaged over the ranks (Trainer's runs are held to it too).
+    Nothing multiplies such a loss by the world size, so GafusedTrainer, which sums the ranks, weighs it by
+    1 / world size (on 2 ranks it once took twice the gradient). Declared False, the loss is a per-micro-batch mean
+    and GafusedTrainer gives the token-weighted big batch whether or not num_items_in_batch is given."""
+    for where, comparison in measured[name]:
+        assert comparison["error"] <= FP32_ERROR, (where, comparison)
+        assert comparison["norm_error"] <= NORM_ERROR, (where, comparison)
+        assert comparison["ranks_equal"], where
 
 
 def test_trainer_counting_after_the_shift_is_exact_too(measured: dict) -> None:
@@ -181,8 +197,15 @@ def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
 def test_a_plain_trainer_checkpoint_resumes_in_gafused_trainer(tmp_path: Path) -> None:
     """Trainer's optimizer.pt holds the inner optimizer's state after a window's step: it loads with an empty window."""
     model = cases.make_model()
-    plain = _trainer(tmp_path, transformers.Trainer, model=model, optim="adamw_torch", max_steps=2, save_steps=2,
-                     save_strategy="steps")
+    plain = _trainer(
+        tmp_path,
+        transformers.Trainer,
+        model=model,
+        optim="adamw_torch",
+        max_steps=2,
+        save_steps=2,
+        save_strategy="steps",
+    )
     plain.train()
     trainer = _trainer(tmp_path, optim="adamw_torch", max_steps=3)
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

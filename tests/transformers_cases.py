@@ -83,23 +83,48 @@ def pad_cat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     }
 
 
-def token_mean_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The causal-LM loss (shift by one, mean over the tokens that carry loss) in the logits' dtype."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The causal-LM loss (shift by one; mean or sum over the tokens that carry loss) in the logits' dtype."""
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction=reduction
     )
 
 
-def truth(windows: list[list[dict[str, torch.Tensor]]], dtype: torch.dtype = torch.float64) -> dict[str, Any]:
-    """One SGD step per window on all its micro-batches at once (token mean), clipped by the global norm, at the
-    linear schedule's learning rate. ``dtype=torch.float32`` is plain fp32 PyTorch on the same big batches."""
+def token_mean_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The causal-LM loss (shift by one, mean over the tokens that carry loss) in the logits' dtype."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return causal_lm_loss(logits, batch["labels"])
+
+
+def window_loss(
+    model: torch.nn.Module, window: list[dict[str, torch.Tensor]], loss: str = "num_items", world: int = 1
+) -> torch.Tensor:
+    """The loss whose gradient a window's step takes. By default (and for "unscaled_counted") the token mean of the
+    window's micro-batches at once: the big batch. For the losses a ``compute_loss`` of the user's declares scaled
+    for GA (``user_loss``), what plain Trainer + DDP computes: the sum of every rank's micro-batch losses, divided by
+    the world size (DDP averages the ranks; nothing multiplies these losses by it): "scaled", each micro-batch's
+    token mean / ``GA``; "scaled_counted", its token sum / the window's tokens, i.e. the big batch's token mean."""
+    if loss == "scaled":
+        return sum(token_mean_loss(model, batch) for batch in window) / (GA * world)
+    big_batch = token_mean_loss(model, pad_cat(window))
+    return big_batch / world if loss == "scaled_counted" else big_batch
+
+
+def truth(
+    windows: list[list[dict[str, torch.Tensor]]],
+    dtype: torch.dtype = torch.float64,
+    loss: str = "num_items",
+    world: int = 1,
+) -> dict[str, Any]:
+    """One SGD step per window on all its micro-batches at once (``window_loss``: the token mean unless the case's
+    ``loss`` says otherwise), clipped by the global norm, at the linear schedule's learning rate.
+    ``dtype=torch.float32`` is plain fp32 PyTorch on the same big batches."""
     model = make_model().to(dtype)
     initial = [p.detach().clone() for p in model.parameters()]
     norms = []
     for step, window in enumerate(windows):
         model.zero_grad()
-        token_mean_loss(model, pad_cat(window)).backward()
+        window_loss(model, window, loss, world).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
         lr = LR * (len(windows) - step) / len(windows)
         with torch.no_grad():
@@ -137,6 +162,33 @@ def _arguments(output_dir: str, **overrides: Any):
     return transformers.TrainingArguments(**settings)
 
 
+def user_loss(base: type, loss: str) -> type:
+    """``base`` (Trainer or GafusedTrainer) with a ``compute_loss`` of the user's that declares
+    ``loss_is_scaled_for_ga``; Trainer's own ``compute_loss`` (its multiplication by the world size) does not run.
+
+    "scaled": ``True``, each micro-batch's token mean / ``gradient_accumulation_steps``, on a model that takes no
+    loss kwargs (no ``num_items_in_batch``). "scaled_counted": ``True``, the token sum / ``num_items_in_batch`` (the
+    window's tokens over every rank). "unscaled_counted": ``False``, the token mean, with a ``num_items_in_batch``
+    it leaves unused (Trainer divides the loss by the window's micro-batch count)."""
+
+    class UserLoss(base):
+        loss_is_scaled_for_ga = loss != "unscaled_counted"
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if (num_items_in_batch is None) != (loss == "scaled"):
+                raise RuntimeError(f"{loss}: compute_loss got num_items_in_batch={num_items_in_batch}")
+            outputs = model(**inputs)
+            if loss == "scaled_counted":
+                value = causal_lm_loss(outputs.logits, inputs["labels"], "sum") / num_items_in_batch
+            else:
+                value = causal_lm_loss(outputs.logits, inputs["labels"])
+                if loss == "scaled":
+                    value = value / self.args.gradient_accumulation_steps
+            return (value, outputs) if return_outputs else value
+
+    return UserLoss
+
+
 def run_case(
     folder: str, trainer: str, loss: str = "num_items", resume: bool = False, **argument_overrides: Any
 ) -> dict[str, Any]:
@@ -145,7 +197,8 @@ def run_case(
     ``trainer``: "own" (``transformers.Trainer``) or "gafused" (``GafusedTrainer``). ``loss``: "num_items", the
     model takes ``num_items_in_batch`` (Trainer normalizes each loss over the window); "declared", the same with
     ``model.loss_type = "ForCausalLM"`` declared (Trainer then counts the items after the shift); "mean", the model
-    declares ``accepts_loss_kwargs = False`` (each loss is a mean over its micro-batch). ``resume``: train with a
+    declares ``accepts_loss_kwargs = False`` (each loss is a mean over its micro-batch); "scaled",
+    "scaled_counted", "unscaled_counted": a ``compute_loss`` of the user's (``user_loss``). ``resume``: train with a
     checkpoint every ``SAVE_AT`` windows, then train again from the first checkpoint in a new Trainer.
     ``folder``: Trainer's output_dir, the same on every rank (rank 0 writes the checkpoints every rank loads).
     """
@@ -154,14 +207,16 @@ def run_case(
     from gafused.integrations.transformers import GafusedTrainer
 
     cls = GafusedTrainer if trainer == "gafused" else transformers.Trainer
+    if loss in ("scaled", "scaled_counted", "unscaled_counted"):
+        cls = user_loss(cls, loss)
     records: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def build(output_dir: str, **overrides: Any):
         model = make_model()
-        if loss == "mean":
+        if loss in ("mean", "scaled"):
             model.accepts_loss_kwargs = False
-        elif loss == "declared":
-            model.loss_type = "ForCausalLM"
+        elif loss in ("declared", "scaled_counted", "unscaled_counted"):
+            model.loss_type = "ForCausalLM"  # Trainer and GafusedTrainer count num_items_in_batch after the shift
         built = cls(
             model=model,
             args=_arguments(output_dir, **{**argument_overrides, **overrides}),
@@ -191,6 +246,7 @@ def run_case(
     logged = [entry["grad_norm"] for entry in built.state.log_history if "grad_norm" in entry]
     lrs = [entry["learning_rate"] for entry in built.state.log_history if "learning_rate" in entry]
     return {
+        "loss": loss,
         "params": [p.detach().clone() for p in built.model.parameters()],
         "straight": straight,
         "records": records,
@@ -216,6 +272,25 @@ CASES: dict[str, dict[str, Any]] = {
         "learning_rate": 1e-2,
     },
 }
+# A compute_loss of the user's that declares loss_is_scaled_for_ga (``user_loss``), on 1 process and 2 ranks; the
+# truth is what plain Trainer + DDP computes with that loss (``window_loss``), which Trainer's runs are held to too.
+# Not in the README's table (``report``), whose truth is the token-weighted big batch.
+SCALED = "GafusedTrainer, compute_loss scaled for GA, no num_items_in_batch"
+SCALED_CASES: dict[str, dict[str, Any]] = {
+    "Trainer, compute_loss scaled for GA, no num_items_in_batch": {"trainer": "own", "loss": "scaled"},
+    SCALED: {"trainer": "gafused", "loss": "scaled"},
+    "Trainer, compute_loss scaled for GA by num_items_in_batch": {"trainer": "own", "loss": "scaled_counted"},
+    "GafusedTrainer, compute_loss scaled for GA by num_items_in_batch": {
+        "trainer": "gafused",
+        "loss": "scaled_counted",
+    },
+    # Not scaled: a per-micro-batch mean, which GafusedTrainer weighs by its tokens (the token-weighted big batch).
+    "GafusedTrainer, compute_loss not scaled for GA, num_items_in_batch given": {
+        "trainer": "gafused",
+        "loss": "unscaled_counted",
+    },
+}
+ALL_CASES = {**CASES, **SCALED_CASES}
 
 
 def run_all(folder: str) -> dict[str, Any]:
@@ -225,7 +300,7 @@ def run_all(folder: str) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    for index, (name, case) in enumerate(CASES.items()):
+    for index, (name, case) in enumerate(ALL_CASES.items()):
         try:
             results[name] = run_case(os.path.join(folder, str(index)), **case)
         except Exception as error:  # reported by the tests, named
@@ -304,23 +379,31 @@ def error(params: list[torch.Tensor], reference: dict[str, Any]) -> float:
 _TRUTHS: dict[tuple, dict[str, Any]] = {}
 
 
-def _cached_truth(windows: list[list[dict[str, torch.Tensor]]], dtype: torch.dtype) -> dict[str, Any]:
-    """``truth()``, computed once per distinct sequence of windows (the cases see the same data in the same order)."""
-    key = (dtype, tuple(tuple(tuple(batch["labels"].reshape(-1).tolist()) for batch in window) for window in windows))
+def _cached_truth(
+    windows: list[list[dict[str, torch.Tensor]]], dtype: torch.dtype, loss: str = "num_items", world: int = 1
+) -> dict[str, Any]:
+    """``truth()``, computed once per distinct sequence of windows and loss (the cases see the same data in the same
+    order)."""
+    if loss not in ("scaled", "scaled_counted"):
+        loss, world = "num_items", 1  # the token-weighted big batch, whatever the world size
+    labels = tuple(tuple(tuple(batch["labels"].reshape(-1).tolist()) for batch in window) for window in windows)
+    key = (dtype, loss, world, labels)
     if key not in _TRUTHS:
-        _TRUTHS[key] = truth(windows, dtype)
+        _TRUTHS[key] = truth(windows, dtype, loss, world)
     return _TRUTHS[key]
 
 
 def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One case's errors against the truth of the windows it trained on (every rank's records)."""
+    """One case's errors against the truth of the windows it trained on (every rank's records; one result per
+    rank, so the world size is ``len(results)``)."""
     first = results[0]
     if first.get("straight") is not None:
         pairs = [pair for result in results for pair in zip(result["params"], result["straight"], strict=True)]
         return {"bitwise": all(torch.equal(a, b) for a, b in pairs)}
     windows = windows_of([result["records"] for result in results])
-    reference = _cached_truth(windows, torch.float64)
-    fp32 = _cached_truth(windows, torch.float32)
+    loss, world = first.get("loss", "num_items"), len(results)
+    reference = _cached_truth(windows, torch.float64, loss, world)
+    fp32 = _cached_truth(windows, torch.float32, loss, world)
     norm_error = (
         max(abs(logged - exact) / exact for logged, exact in zip(first["norms"], reference["norms"], strict=True))
         if len(first["norms"]) == len(reference["norms"])

@@ -20,11 +20,12 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   ends the micro-batches before the sync step with ``accumulator.step()``; Trainer's own ``optimizer.step()`` at
   the sync step ends the last one, which finishes the window (collective under DDP) and steps the inner optimizer.
 - Losses: when Trainer normalizes each micro-batch's loss over the whole window (the model takes
-  ``num_items_in_batch``, or a ``compute_loss_func`` is set), the accumulator sums (``normalization="sum"``); the
-  loss multiplied by the world size to undo DDP's averaging is given the weight 1 / world size, since gafused sums
-  the ranks. Otherwise each loss is a mean over its own micro-batch: ``normalization="mean"`` with the micro-batch's
-  loss items (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count is not
-  applied to the backward (the returned, logged loss keeps it).
+  ``num_items_in_batch``, or a ``compute_loss_func`` is set, or ``loss_is_scaled_for_ga=True``), the accumulator
+  sums (``normalization="sum"``) with the weight 1 / world size: Trainer's DDP averages the ranks, gafused sums
+  them (Trainer's multiplication by the world size, when it applies, is part of the loss in both). Otherwise each
+  loss is a mean over its own micro-batch: ``normalization="mean"`` with the micro-batch's loss items
+  (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count is not applied to the
+  backward (the returned, logged loss keeps it).
 - Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
@@ -67,8 +68,13 @@ _DECIDED = {
 }
 # Trainer internals the subclass builds on (transformers 5.x): methods it overrides or calls, attributes Trainer's
 # __init__ sets. Checked at construction, so a Trainer that lacks one fails loudly instead of training without gafused.
-_TRAINER_METHODS = ("_prepare_for_training", "_load_optimizer_and_scheduler", "_load_scaler", "_clip_grad_norm",
-                    "_get_grad_norm")
+_TRAINER_METHODS = (
+    "_prepare_for_training",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+)
 _TRAINER_ATTRIBUTES = ("_loss_shifts_labels", "model_accepts_loss_kwargs", "compute_loss_func", "loss_is_scaled_for_ga")
 
 
@@ -250,9 +256,10 @@ class GafusedTrainer(transformers.Trainer):
                 + " (a batch without 'labels' gives Trainer no num_items_in_batch)"
             )
         if self._sums:
-            # Trainer multiplies the loss by the world size to undo DDP's averaging; gafused sums the ranks.
-            scaled_up = self.args.average_tokens_across_devices and num_items_in_batch is not None
-            weight: float | torch.Tensor = 1.0 / self.accelerator.num_processes if scaled_up else 1.0
+            # Trainer's DDP averages the ranks' gradients and gafused sums them, so every loss normalized over the
+            # window weighs 1 / world size, whether Trainer multiplied it by the world size (num_items_in_batch,
+            # average_tokens_across_devices) or not (a compute_loss of the user's, no num_items_in_batch).
+            weight: float | torch.Tensor = 1.0 / self.accelerator.num_processes
         else:
             weight = self.loss_items(inputs)
         called = []
