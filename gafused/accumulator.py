@@ -468,7 +468,10 @@ class GradAccumulator(torch.optim.Optimizer):
         self._hooks.start()
         micro.folded_in_call = False
         try:
-            torch.autograd.backward(loss, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+            try:
+                torch.autograd.backward(loss, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+            finally:
+                self._sync.after_backward()
             self._hooks.stop()
             self._fold_held_buckets(self._held_grads())
         except BaseException as error:
@@ -520,18 +523,25 @@ class GradAccumulator(torch.optim.Optimizer):
                 "passed by keyword: step(weight=w)"
             )
         _check_bool(end_window, "end_window")
-        micro = self._micro
-        ending = end_window or self._counted_last() or (micro is not None and micro.ends_window)
-        self._check_param_set(identity=self.micro_step == 0 or ending)
         if closure is None:
+            self._check_param_set(identity=self._at_window_edge(end_window))
             self._end_micro_batch(weight, end_window)
             return None
+        self._check_param_set(identity=False)
         if weight is not None:
             self._weight_tensor(weight)  # refuse a bad weight before the closure runs
         with torch.enable_grad():
             result = closure()
+        # After the closure: its backward() may have declared the window's end.
+        self._check_param_set(identity=self._at_window_edge(end_window))
         self._end_micro_batch(weight, end_window)
         return result
+
+    def _at_window_edge(self, end_window: bool) -> bool:
+        """Whether the micro-batch that step() is about to end starts or ends a window."""
+        micro = self._micro
+        ending = end_window or self._counted_last() or (micro is not None and micro.ends_window)
+        return self.micro_step == 0 or ending
 
     def _end_micro_batch(self, weight: float | torch.Tensor | None, end_window: bool) -> None:
         micro = self._micro
@@ -849,7 +859,9 @@ class GradAccumulator(torch.optim.Optimizer):
         parameter and a folded-late flag per bucket) over the ranks."""
         flags = [float(had) for group in self._groups for had in group.had_grad]
         flags += [float(key in self._late) for key in self._reduce_order]
-        local = torch.tensor([0.0, 0.0, 0.0, 0.0, *flags], dtype=torch.float64).to(self._home)
+        # Pinned and non-blocking on a GPU: a copy from pageable memory would wait for the device (a host sync).
+        host = torch.tensor([0.0, 0.0, 0.0, 0.0, *flags], dtype=torch.float64, pin_memory=self._home.type == "cuda")
+        local = host.to(self._home, non_blocking=True)
         if count > 0:
             local[0] = self._weight_sum
             if self._bad_weight is not None:
@@ -1044,9 +1056,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 "weight: a tensor weight given in this window was negative, nan or inf; the window "
                 "was discarded and the inner optimizer did not step"
             )
-        if self.grad_scaler is not None:
-            self._update_grad_scaler(found_inf)
         if nonfinite:
+            if self.grad_scaler is not None:
+                self._update_grad_scaler(found_inf)  # backs off
             self.skipped_steps += 1
             self._discard_window()
             return
@@ -1067,7 +1079,9 @@ class GradAccumulator(torch.optim.Optimizer):
         except BaseException as error:
             self._discard_window()
             _add_note(error, "gafused: the window was discarded; the inner optimizer's step or a step pre-hook raised")
-            raise
+            raise  # the loss scaler stays as it was, as GradScaler.update() is not reached when scaler.step() raises
+        if self.grad_scaler is not None:
+            self._update_grad_scaler(found_inf)
         self.stepped = True
         self.micro_step = 0
         for post_hook in list(self._optimizer_step_post_hooks.values()):
@@ -1237,6 +1251,7 @@ class GradAccumulator(torch.optim.Optimizer):
             return None if value is None else value.to(self._home)
 
         self._release_published()
+        self._drop_reductions()  # an interrupted last micro-batch's reductions and late parts: not this window's
         for group in self._groups:
             for param in group.params:
                 param.grad = None

@@ -105,6 +105,9 @@ class Sync:
     def before_backward(self, last: bool) -> None:
         return None
 
+    def after_backward(self) -> None:
+        return None
+
     def check_window_end(self) -> None:
         """Raise if gradients of the window are still held back by the wrapper at its last micro-batch."""
         return None
@@ -181,6 +184,7 @@ class FSDPSync(Sync):
         self.world_size = dist.get_world_size(self.group)
         self.fold_factor = self._divide_factor(model)
         self._dtensor = DTensor
+        self._user_sync: list[tuple[Any, bool, bool]] = []  # FSDP param groups' sync flags before a last backward
 
     def _divide_factor(self, model: torch.nn.Module) -> float:
         """What FSDP divides the reduce-scattered sum by: its gradient divide factor, else the world size."""
@@ -225,10 +229,29 @@ class FSDPSync(Sync):
         dist.all_reduce(both, group=self.group)
         return both[0], both[1] > 0
 
+    def _param_groups(self) -> list[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
+        groups = []
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                several = getattr(state, "_fsdp_param_groups", None)  # newer torch: several groups per module
+                one = None if several is not None else getattr(state, "_fsdp_param_group", None)
+                groups.extend(several if several is not None else [] if one is None else [one])
+        return groups
+
     def before_backward(self, last: bool) -> None:
-        # The window's last micro-batch must reach the shards, whatever the user set for the earlier ones.
+        # The window's last micro-batch must reach the shards, whatever the user set for the earlier ones; what
+        # the user set comes back after it (set_requires_gradient_sync(False) once keeps the next windows quiet).
         if last:
+            self._user_sync = [(group, group.reduce_grads, group.all_reduce_grads) for group in self._param_groups()]
             self._model.set_requires_gradient_sync(True)
+
+    def after_backward(self) -> None:
+        for group, reduce_grads, all_reduce_grads in self._user_sync:
+            group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce_grads
+        self._user_sync = []
 
     def check_window_end(self) -> None:
         from torch.distributed.fsdp import FSDPModule

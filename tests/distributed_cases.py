@@ -158,6 +158,7 @@ def run_case(
     pass_model: bool = True,
     driven: str | None = None,
     normalization: str = "mean",
+    sync_off_once: bool = False,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
@@ -165,7 +166,9 @@ def run_case(
     accumulator state, builds everything anew from it and goes on. ``driven``: ``accumulation_steps=None``, every
     window (the partial one too) ended by ``end_window=True`` given to the last micro-batch's ``"backward"`` or
     ``"step"``. ``normalization="sum"``: each loss is divided by the window's tokens over every rank and given
-    no weight, as transformers' ``num_items_in_batch`` does.
+    no weight, as transformers' ``num_items_in_batch`` does. ``sync_off_once``: FSDP2's
+    ``set_requires_gradient_sync(False)`` once, after building; ``opt.backward()`` turns it on for each window's
+    last micro-batch only (``reduce_grads`` in the result: FSDP's flags after each window).
     """
     import gafused
 
@@ -184,11 +187,13 @@ def run_case(
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
+        if sync_off_once:
+            model.set_requires_gradient_sync(False)
         return model, opt
 
     model, opt = build()
     DDP_OWN_ALL_REDUCES[0] = 0
-    norms, wire_per_window, wire_before_last = [], [], []
+    norms, wire_per_window, wire_before_last, reduce_grads = [], [], [], []
     # All-reduces already started when backward reaches the first layer's weight, per micro-batch.
     seen_by_first_layer: list[int] = []
     for window, count in enumerate(WINDOWS):
@@ -230,6 +235,8 @@ def run_case(
         assert opt.stepped
         norms.append(opt.grad_norm.item())
         wire_per_window.append((wire.calls, wire.bytes))
+        if kind == "fsdp":
+            reduce_grads.append(_fsdp_reduce_flags(model))
     return {
         "params": [_full(p) for p in model.parameters()],
         "norms": norms,
@@ -239,8 +246,24 @@ def run_case(
         "seen_by_first_layer": seen_by_first_layer,
         "buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers),
         "managed_params": sum(len(buffer) for buffer in opt.buffers),
+        "reduce_grads": reduce_grads,
         "bucket_bytes": sum(buffer.numel * buffer.data.element_size() for buffer in opt.buffers),
     }
+
+
+def _fsdp_reduce_flags(model: torch.nn.Module) -> list[bool]:
+    """The distinct values of FSDP2's per-group gradient sync flag (set by set_requires_gradient_sync)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    flags = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            for group in groups if groups is not None else [state._fsdp_param_group]:
+                if group is not None:
+                    flags.add(group.reduce_grads)
+    return sorted(flags)
 
 
 @contextlib.contextmanager
@@ -275,6 +298,12 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp-step-driven": {"kind": "ddp", "loop": "step", "driven": "step"},
     "fsdp-backward-driven-no_sync": {"kind": "fsdp", "loop": "backward", "driven": "backward", "no_sync": True},
     "fsdp-backward-driven-at_step": {"kind": "fsdp", "loop": "backward", "driven": "step"},
+    "fsdp-backward-driven-sync_off_once": {
+        "kind": "fsdp",
+        "loop": "backward",
+        "driven": "backward",
+        "sync_off_once": True,
+    },
     # Losses normalized over the whole window (every rank's tokens), accumulated as a plain sum.
     "ddp-backward-sum": {"kind": "ddp", "loop": "backward", "normalization": "sum"},
     "ddp-step-sum": {"kind": "ddp", "loop": "step", "normalization": "sum"},
@@ -343,8 +372,13 @@ def irregular_truth(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [p.detach().clone() for p in model.parameters()], initial
 
 
-def run_irregular(rank: int, name: str) -> list[torch.Tensor]:
-    """DDP + opt.backward() on a Branchy model (buckets of one tensor or so); the final params of this rank."""
+def run_irregular(rank: int, name: str, interrupted: bool = False) -> list[torch.Tensor]:
+    """DDP + opt.backward() on a Branchy model (buckets of one tensor or so); the final params of this rank.
+
+    ``interrupted``: the first window's last micro-batch runs its backward (buckets on the wire, late parts
+    folded), then, instead of its step(), the accumulator is loaded from the checkpoint taken before it and the
+    micro-batch runs again: the result must not depend on it.
+    """
     import gafused
 
     extra_on, reentrant, frozen = IRREGULAR[name]
@@ -360,6 +394,11 @@ def run_irregular(rank: int, name: str) -> list[torch.Tensor]:
     for window in range(IRREGULAR_WINDOWS):
         for micro in range(N):
             x, y = micro_batch(rank, window, micro)
+            if interrupted and (window, micro) == (0, N - 1):
+                state = opt.state_dict()
+                opt.backward(((ddp(x, rank in extra_on, reentrant) - y) ** 2).sum(-1).mean(), weight=x.shape[0])
+                opt.zero_grad()
+                opt.load_state_dict(state)
             loss = ((ddp(x, rank in extra_on, reentrant) - y) ** 2).sum(-1).mean()
             opt.backward(loss, weight=x.shape[0])
             opt.step()
@@ -466,6 +505,10 @@ def _rank(rank: int, port: int, out: str) -> None:
             results[f"irregular: {name}"] = run_irregular(rank, name)
         except Exception as error:  # reported by the test, named
             results[f"irregular: {name}"] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["irregular interrupted"] = run_irregular(rank, "shared in two reentrant checkpoints", interrupted=True)
+    except Exception as error:  # reported by the test, named
+        results["irregular interrupted"] = {"error": f"{type(error).__name__}: {error}"}
     results["batchnorm"] = {accumulate: run_batchnorm(rank, accumulate) for accumulate in ("gafused", "no_sync")}
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)

@@ -829,3 +829,53 @@ def test_an_equal_cpu_tensor_weight_may_be_repeated_by_a_later_backward():
         opt.backward(_loss(model, x, y), weight=torch.tensor(2.0))
     opt.step()
     assert opt.micro_step == 1
+
+
+def test_loss_scaler_is_updated_only_for_a_step_that_ran_or_was_skipped():
+    """As with GradScaler: update() follows a step that ran (growth) or found inf (back-off); a window whose inner
+    step (or step pre-hook) raised leaves the scaler as it was."""
+    model = _model(torch.float32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_scaler=scaler)
+    x, y = _data([3], dtype=torch.float32)[0]
+
+    def window(target=y):
+        opt.backward(_loss(model, x, target))
+        opt.step()
+        opt.zero_grad()
+
+    window()
+    assert opt.stepped and scaler.get_scale() == 8.0
+
+    def refuse(optimizer, args, kwargs):
+        raise RuntimeError("pre-hook says no")
+
+    handle = opt.register_step_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="pre-hook says no"):
+        window()
+    assert scaler.get_scale() == 8.0 and int(scaler._growth_tracker) == 0
+    handle.remove()
+    window(torch.full_like(y, float("inf")))
+    assert not opt.stepped and opt.skipped_steps == 1 and scaler.get_scale() == 4.0
+
+
+def test_parameter_swapped_before_a_closure_that_ends_the_window_is_refused():
+    """step(closure): the closure's backward(end_window=True) makes this step() the window's last one, so the
+    parameters are checked again after the closure, before the window is finished."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, accumulation_steps=None)
+    batches = _data([3, 4])
+    _micro_step(opt, model, *batches[0], "backward")
+    inner.param_groups[0]["params"][0] = torch.nn.Parameter(model[0].weight.detach().clone())
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        loss = _loss(model, *batches[1])
+        opt.backward(loss, weight=4, end_window=True)
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] is not the parameter"):
+        opt.step(closure)
+    assert not opt.stepped and opt.micro_step == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -113,8 +113,10 @@ def test_ops_are_marked_cudagraph_unsafe():
 
 
 def test_graph_capture_is_refused(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    asked = []
+    monkeypatch.setattr(ops, "_capturing", lambda device: asked.append(device) or True)
     with pytest.raises(RuntimeError, match="CUDA graph"):
-        ops._backend_for(types.SimpleNamespace(is_cuda=True), "foreach")
+        ops._backend_for(types.SimpleNamespace(is_cuda=True, device="cuda:1"), "foreach")
+    assert asked == ["cuda:1"]  # the buffer's device's stream, not the current device's
     # CPU tensors never ask (the CPU build of torch cannot answer).
     assert ops._backend_for(torch.zeros(1), "foreach") is ops._module("foreach")

@@ -192,6 +192,16 @@ def test_irregular_gradients_match_float64_and_ranks_agree(ranks: list[dict], na
             assert float((param.double() - want).norm() / (want - start).norm()) < FP32_ERROR, index
 
 
+def test_a_checkpoint_loaded_over_an_interrupted_last_micro_batch_drops_its_reductions(ranks: list[dict]) -> None:
+    """The interrupted micro-batch's bucket reductions and late parts belong to no window after the load: the
+    run ends exactly where the uninterrupted one does."""
+    for rank in range(cases.WORLD):
+        result = ranks[rank]["irregular interrupted"]
+        plain = ranks[rank]["irregular: shared in two reentrant checkpoints"]
+        assert not isinstance(result, dict), f"rank {rank}: {result['error']}"
+        assert all(torch.equal(a, b) for a, b in zip(result, plain, strict=True)), rank
+
+
 def test_module_buffers_are_broadcast_once_per_window_as_under_no_sync(ranks: list[dict]) -> None:
     """DDP broadcasts rank 0's buffers (BatchNorm statistics) at the forward after a synchronized backward: with
     gafused as with plain DDP and no_sync(), the ranks hold rank 0's statistics after it."""
@@ -201,6 +211,14 @@ def test_module_buffers_are_broadcast_once_per_window_as_under_no_sync(ranks: li
     gafused_stats, plain_stats = ranks[0]["batchnorm"]["gafused"], ranks[0]["batchnorm"]["no_sync"]
     for ours, plain in zip(gafused_stats, plain_stats, strict=True):
         torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_sync_switched_off_once_stays_off_after_each_window(ranks: list[dict]) -> None:
+    """opt.backward() turns FSDP's gradient sync on for a window's last micro-batch only: the user's
+    set_requires_gradient_sync(False) holds again for the next window's micro-batches (the case itself is exact,
+    checked with the others)."""
+    assert _result(ranks, "fsdp-backward-driven-sync_off_once")["reduce_grads"] == [[False]] * len(cases.WINDOWS)
+    assert _result(ranks, "fsdp-backward")["reduce_grads"] == [[True]] * len(cases.WINDOWS)
 
 
 def test_misuse_is_never_silent(ranks: list[dict]) -> None:
