@@ -1264,7 +1264,13 @@ class GradAccumulator(torch.optim.Optimizer):
         # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read
         # at the next fold, unscales them. The folded part of the buffer is unscaled already.
         self._inv_loss_scale = None
-        self._window_lrs = None if window["window_lrs"] is None else list(window["window_lrs"])
+        saved_lrs = window["window_lrs"]
+        if saved_lrs is not None:
+            # A device-tensor learning rate was recorded by identity, which means nothing in another accumulator:
+            # the loaded optimizer's own tensor stands for it.
+            current = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
+            saved_lrs = [now if _by_identity(lr) else lr for lr, now in zip(saved_lrs, current, strict=True)]
+        self._window_lrs = saved_lrs
         self.stepped = False
         for entry, group in zip(window["buffers"], self._groups, strict=True):
             group.had_grad = list(entry["had_grad"])
@@ -1428,6 +1434,11 @@ def _lr_value(lr: Any) -> Any:
     if isinstance(lr, torch.Tensor):
         return lr.item() if lr.device.type == "cpu" and lr.numel() == 1 else ("tensor", id(lr))
     return lr
+
+
+def _by_identity(value: Any) -> bool:
+    """Whether ``_lr_value`` recorded a tensor by identity (a tuple or, after a torch.save round trip, a list)."""
+    return isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "tensor"
 
 
 def _add_note(error: BaseException, note: str) -> None:

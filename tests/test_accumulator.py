@@ -879,3 +879,25 @@ def test_parameter_swapped_before_a_closure_that_ends_the_window_is_refused():
         opt.step(closure)
     assert not opt.stepped and opt.micro_step == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+def test_device_tensor_learning_rate_does_not_warn_after_a_mid_window_checkpoint():
+    """A GPU-tensor learning rate is compared by identity (no sync): after a load, the loaded optimizer's tensor
+    stands for the saved one, so resuming the window is not taken for a scheduler stepped inside it."""
+    model = _model(torch.float32).cuda()
+    batches = [(x.cuda(), y.cuda()) for x, y in _data([2, 3], dtype=torch.float32, seed=7)]
+
+    def build():
+        inner = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), foreach=False)
+        return GradAccumulator(inner, accumulation_steps=2)
+
+    opt = build()
+    _micro_step(opt, model, *batches[0], "backward")
+    state = opt.state_dict()
+    resumed = build()
+    resumed.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _micro_step(resumed, model, *batches[1], "backward")
+    assert resumed.stepped
