@@ -1033,11 +1033,10 @@ class GradAccumulator(torch.optim.Optimizer):
         self._rank_mismatch = None
         checks = torch.stack([found_inf, bad_weight, mismatch])
         rank_flags, self._rank_flags = self._rank_flags, None
-        if rank_flags is None:
-            nonfinite, bad, disagree = checks.tolist()
-        else:  # the same one sync also reads which parameters and buckets the other ranks touched
-            values = torch.cat([checks.to(torch.float64), rank_flags]).tolist()
-            nonfinite, bad, disagree = (value != 0 for value in values[:3])
+        if rank_flags is not None:  # the same one sync also reads which parameters and buckets the ranks touched
+            checks = torch.cat([checks.to(torch.float64), rank_flags])
+        values = checks.tolist()
+        nonfinite, bad, disagree = (bool(value) for value in values[:3])
         if disagree:
             self._discard_window()
             raise RuntimeError(

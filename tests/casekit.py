@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -15,6 +17,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_case_script(script: str, out: Path) -> Any:
+    """Run a ``*_cases.py`` script (it spawns its ranks) with ``out`` as its argument; what it saved there."""
+    script_path = Path(script)
+    done = subprocess.run(
+        [sys.executable, str(script_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=script_path.parent,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
 
 
 def tanh_mlp(sizes: tuple[int, int, int] = (5, 4, 3), seed: int = 0, dtype: torch.dtype = torch.float64) -> Any:

@@ -7,10 +7,7 @@ the last is partial (flush), clipping active, SGD so that any scale error shows 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ import torch.distributed as dist
 import gafused
 
 import distributed_cases as cases
+from casekit import run_case_script
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -38,13 +36,7 @@ WITHOUT_MODEL = [name for name, case in cases.CASES.items() if not case.get("pas
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("distributed") / "results.pt"
-    script = Path(cases.__file__)
-    done = subprocess.run(
-        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600, cwd=script.parent
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_case_script(cases.__file__, tmp_path_factory.mktemp("distributed") / "results.pt")
 
 
 def _error(params: list[torch.Tensor], truth: list[torch.Tensor], initial: list[torch.Tensor]) -> float:

@@ -7,9 +7,6 @@ clipping. One process runs in this process; 2 gloo ranks under Lightning's DDP s
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +20,8 @@ import lightning_cases as cases  # noqa: E402
 
 import gafused  # noqa: E402
 from gafused.integrations.lightning import GradAccumulation  # noqa: E402
+
+from casekit import run_case_script  # noqa: E402
 
 # |p - p_truth| / |p_truth - p0| over the parameter vector, float32 against float64: float32 rounds each operation
 # at 2^-24 relative, and the forward, backward and sums of a window chain a few hundred of them. Plain fp32 PyTorch
@@ -52,13 +51,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("lightning-ranks") / "results.pt"
-    script = Path(cases.__file__)
-    done = subprocess.run(
-        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600, cwd=script.parent
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_case_script(cases.__file__, tmp_path_factory.mktemp("lightning-ranks") / "results.pt")
 
 
 @pytest.fixture(scope="module")

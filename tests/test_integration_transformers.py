@@ -9,8 +9,6 @@ read the results; the last ones check refusals and a skipped window in this proc
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,8 @@ import transformers_cases as cases  # noqa: E402
 import gafused  # noqa: E402
 from gafused.integrations.transformers import GafusedTrainer  # noqa: E402
 
+from casekit import run_case_script  # noqa: E402
+
 # |p - p_truth| / |p_truth - p0| over the whole model, fp32 training against the float64 truth after 6 windows
 # (3 on 2 ranks): float32 rounding of the forward, backward and sums. Plain fp32 PyTorch on the same big batches
 # measures 1.2e-6 (asserted below to be inside the bound too); a gradient scaled by 1 + 1e-4 would already exceed it.
@@ -38,13 +38,7 @@ RESUMED = f"GafusedTrainer, resumed from checkpoint-{cases.SAVE_AT} (AdamW)"
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("transformers") / "results.pt"
-    script = Path(cases.__file__)
-    done = subprocess.run(
-        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600, cwd=script.parent
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_case_script(cases.__file__, tmp_path_factory.mktemp("transformers") / "results.pt")
 
 
 def _runs(saved: dict, name: str) -> list[tuple[str, list[dict]]]:
