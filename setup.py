@@ -57,6 +57,7 @@ def _cuda_build() -> tuple[list, dict]:
         if cuda_home is not None:
             os.environ["CUDA_HOME"] = cuda_home
     from torch.utils.cpp_extension import CUDA_HOME
+
     if torch.version.cuda is None or CUDA_HOME is None:
         if _flag("GAFUSED_FORCE_CUDA"):
             raise RuntimeError(
@@ -107,7 +108,7 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest", "ruff", "hypothesis"],
+        "test": ["pytest", "ruff>=0.17,<0.18", "hypothesis"],
         # tests/test_correctness.py's float64 GPT-2 proof; it skips with the reason when this is absent.
         # also gafused.integrations.transformers (Trainer needs accelerate).
         "transformers": ["transformers", "accelerate"],

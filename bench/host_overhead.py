@@ -145,12 +145,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
-    print(f"middle micro-step, {args.tensors} x {args.numel} {args.dtype} on {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s)")
+    print(
+        f"middle micro-step, {args.tensors} x {args.numel} {args.dtype} on {args.device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
     print(f"{'what':<22} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10}")
     for row in table:
-        print(f"{row['what']:<22} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
-              f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f}")
+        print(
+            f"{row['what']:<22} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
+            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f}"
+        )
 
 
 if __name__ == "__main__":

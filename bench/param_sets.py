@@ -50,6 +50,7 @@ def gpt2(
     """GPT-2 (HF layout, Conv1D weights stored in x out): 2 embeddings + 12 per layer + final LayerNorm."""
     shapes: list[tuple[int, ...]] = [(vocab, hidden), (positions, hidden)]
     for _ in range(layers):
+        # fmt: off
         shapes += [
             (hidden,), (hidden,),  # ln_1 weight, bias
             (hidden, 3 * hidden), (3 * hidden,),  # attn.c_attn
@@ -58,6 +59,7 @@ def gpt2(
             (hidden, 4 * hidden), (4 * hidden,),  # mlp.c_fc
             (4 * hidden, hidden), (hidden,),  # mlp.c_proj
         ]
+        # fmt: on
     shapes += [(hidden,), (hidden,)]  # ln_f
     description = f"GPT-2 layout: vocab {vocab}, {positions} positions, hidden {hidden}, {layers} layers"
     return ParamSet(name, tuple(shapes), description)

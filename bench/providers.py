@@ -191,9 +191,7 @@ class Foreach(_ManualWindow):
         self._fold_fn(self.main_grads, grads)
 
     def _fold_and_finish(self, grads: list[torch.Tensor]) -> None:
-        self._finish_fn(
-            self.main_grads, grads, self._cast_targets, 1.0 / self.accumulation_steps, self.max_grad_norm
-        )
+        self._finish_fn(self.main_grads, grads, self._cast_targets, 1.0 / self.accumulation_steps, self.max_grad_norm)
 
 
 class Compiled(Foreach):

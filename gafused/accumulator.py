@@ -139,7 +139,7 @@ class GradAccumulator(torch.optim.Optimizer):
     the window is ended early), or ``sum(w_i * g_i)`` with ``normalization="sum"``, accumulated in
     ``accum_dtype`` whatever the parameters' dtype. Its global L2 norm is reported as ``grad_norm`` and, with
     ``max_grad_norm``, it is clipped exactly like ``torch.nn.utils.clip_grad_norm_``. A non-finite finished
-    gradient skips the inner step.
+    gradient skips the inner step, as does one that overflows the parameters' dtype when cast to it.
 
     It is a ``torch.optim.Optimizer``: ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's
     (read and written there), so LR schedulers build on it and change the inner optimizer's learning rate. Step
@@ -238,6 +238,16 @@ class GradAccumulator(torch.optim.Optimizer):
         self._global: bool = model is not None  # windows end with collectives (every rank takes part)
         self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes, sync)
         self._home: torch.device = self._groups[0].buffer.device
+        # The largest finite value of the narrowest parameter dtype whose finished gradient is cast down from the
+        # buffer (fp16: 65504), or None: a finished value beyond it would reach the inner step as inf.
+        self._cast_limit: float | None = min(
+            (
+                torch.finfo(group.param_dtype).max
+                for group in self._groups
+                if torch.finfo(group.param_dtype).max < torch.finfo(group.buffer.accum_dtype).max
+            ),
+            default=None,
+        )
         # In the inner optimizer's order: a parameter swapped there would be stepped with a gradient never folded.
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
@@ -1028,15 +1038,16 @@ class GradAccumulator(torch.optim.Optimizer):
         go on with the next micro-batch.
         """
         norm, found_inf = self._measure(results)
+        coef = self._clip_coef(norm)
         bad_weight = self._bad_weight if self._bad_weight is not None else torch.zeros_like(found_inf)
         mismatch = self._rank_mismatch if self._rank_mismatch is not None else torch.zeros_like(found_inf)
         self._rank_mismatch = None
-        checks = torch.stack([found_inf, bad_weight, mismatch])
+        checks = torch.stack([found_inf, bad_weight, mismatch, self._may_overflow(norm, coef)])
         rank_flags, self._rank_flags = self._rank_flags, None
         if rank_flags is not None:  # the same one sync also reads which parameters and buckets the ranks touched
             checks = torch.cat([checks.to(torch.float64), rank_flags])
         values = checks.tolist()
-        nonfinite, bad, disagree = (bool(value) for value in values[:3])
+        nonfinite, bad, disagree, may_overflow = (bool(value) for value in values[:4])
         if disagree:
             self._discard_window()
             raise RuntimeError(
@@ -1044,10 +1055,12 @@ class GradAccumulator(torch.optim.Optimizer):
                 "every rank must run the same number of micro-batches per window; the window was discarded"
             )
         if rank_flags is not None:
-            late = self._adopt_rank_flags(values[3:])
+            late = self._adopt_rank_flags(values[4:])
             if late:  # rare (see _fold_late): a second sync, for the norm of the completed buckets
                 norm, found_inf = self._measure(self._reduce_late(results, late))
-                nonfinite = bool(found_inf)
+                coef = self._clip_coef(norm)
+                again = torch.stack([found_inf, self._may_overflow(norm, coef)]).tolist()
+                nonfinite, may_overflow = (bool(value) for value in again)
         self.grad_norm = norm
         if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
@@ -1056,17 +1069,13 @@ class GradAccumulator(torch.optim.Optimizer):
                 "was discarded and the inner optimizer did not step"
             )
         if nonfinite:
-            if self.grad_scaler is not None:
-                self._update_grad_scaler(found_inf)  # backs off
-            self.skipped_steps += 1
-            self._discard_window()
+            self._skip_window(found_inf)
             return
-
-        coef = None
-        if self.max_grad_norm is not None:
-            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         for group in self._groups:
             self._publish_grads(group, coef)
+        if may_overflow and self._cast_overflowed():  # rare: a second sync, only when the norm allows overflow
+            self._skip_window(torch.ones_like(found_inf))
+            return
         try:
             for pre_hook in list(self._optimizer_step_pre_hooks.values()):
                 if pre_hook(self, (), {}) is not None:
@@ -1085,6 +1094,37 @@ class GradAccumulator(torch.optim.Optimizer):
         self.micro_step = 0
         for post_hook in list(self._optimizer_step_post_hooks.values()):
             post_hook(self, (), {})
+
+    def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """The factor ``clip_grad_norm_`` would scale the finished gradient by, or None without clipping."""
+        if self.max_grad_norm is None:
+            return None
+        return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+
+    def _may_overflow(self, norm: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+        """Whether some finished value could exceed the range of a parameter dtype it is cast to: no value is
+        larger than the norm, so only a norm beyond that range calls for the exact check, _cast_overflowed."""
+        if self._cast_limit is None:
+            return torch.zeros((), dtype=torch.bool, device=norm.device)
+        bound = norm if coef is None else norm.to(torch.float64) * coef
+        return bound > self._cast_limit
+
+    def _cast_overflowed(self) -> bool:
+        """Whether a finished gradient cast to its parameters' dtype holds inf (its fp32 value was finite): the
+        window is then skipped as a non-finite one. Collective with FSDP2, whose ranks hold different shards."""
+        flags = [
+            torch.isinf(group.finished).any().to(self._home) for group in self._groups if group.finished is not None
+        ]
+        overflow = torch.stack(flags).any()
+        _, overflow = self._sync.reduce_norm(torch.zeros((), dtype=torch.float64, device=self._home), overflow)
+        return bool(overflow)
+
+    def _skip_window(self, found_inf: torch.Tensor) -> None:
+        """Skip the inner step of a window whose finished gradient is not finite; the loss scaler backs off."""
+        if self.grad_scaler is not None:
+            self._update_grad_scaler(found_inf)
+        self.skipped_steps += 1
+        self._discard_window()
 
     def _measure(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's global norm and non-finite flag from the (sum of squares, flag) of its finished pieces."""

@@ -439,6 +439,31 @@ def run_batchnorm(rank: int, accumulate: str) -> list[torch.Tensor]:
     return [model[1].running_mean.clone(), model[1].running_var.clone()]
 
 
+def run_fp16_overflow(rank: int) -> dict[str, Any]:
+    """FSDP2, fp16 parameters, normalization="sum": a first window whose summed gradient overflows fp16 in rank 0's
+    shard only, then a window that fits. Every rank must skip the first (the shards differ, the decision may not)
+    and step the second; this rank's shard and counters."""
+    from torch.distributed.fsdp import fully_shard
+
+    import gafused
+
+    model = torch.nn.Linear(4, WORLD, bias=False).to(torch.float16)
+    with torch.no_grad():
+        model.weight.zero_()
+    fully_shard(model)
+    opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=1.0), 2, model=model, normalization="sum")
+    x = torch.ones(1, 4, dtype=torch.float16)
+    shards = []
+    for row_zero in (20000.0, 2.0):  # weight row 0's gradient sums 2 ranks x 2 micro-batches x row_zero
+        for _ in range(2):
+            coefficients = torch.tensor([[row_zero] + [0.5] * (WORLD - 1)])
+            opt.backward((model(x).float() * coefficients).sum())
+            opt.step()
+            opt.zero_grad()
+        shards.append(model.weight.to_local().detach().clone())
+    return {"shards": shards, "skipped": opt.skipped_steps, "stepped": opt.stepped}
+
+
 def _misuse(rank: int) -> dict[str, str]:
     """What the accumulator says to recipes it refuses, as (case -> message or 'no error')."""
     import gafused
@@ -510,6 +535,10 @@ def _rank(rank: int, port: int, out: str) -> None:
     except Exception as error:  # reported by the test, named
         results["irregular interrupted"] = {"error": f"{type(error).__name__}: {error}"}
     results["batchnorm"] = {accumulate: run_batchnorm(rank, accumulate) for accumulate in ("gafused", "no_sync")}
+    try:
+        results["fsdp fp16 overflow"] = run_fp16_overflow(rank)
+    except Exception as error:  # reported by the test, named
+        results["fsdp fp16 overflow"] = {"error": f"{type(error).__name__}: {error}"}
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -253,6 +253,53 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
     _assert_same_params(model, reference, 1e-12)
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
+def test_finished_gradient_that_overflows_the_parameter_dtype_skips_the_step(backend, loop, max_grad_norm):
+    """fp16 parameters, normalization="sum": each micro-batch's gradient fits fp16, their fp32 sum may not. A
+    finished value that the cast to fp16 would make inf skips the window like a non-finite one; a norm beyond
+    65504 made of values that fit, or clipped back into range, steps."""
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    inner = torch.optim.SGD([param], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    opt = GradAccumulator(
+        inner,
+        accumulation_steps=2,
+        max_grad_norm=max_grad_norm,
+        backend=backend,
+        normalization="sum",
+        grad_scaler=scaler,
+    )
+
+    def window(values):
+        # The gradient of (param * c).sum() is c, exactly representable in fp16 here.
+        coefficients = torch.tensor(values, dtype=torch.float32)
+        for _ in range(2):
+            loss = (param.float() * coefficients).sum()
+            micro_batch(opt, loss if loop == "backward" else scaler.scale(loss), loop)  # backward() scales itself
+            opt.zero_grad()
+        return 2 * coefficients.double()
+
+    summed = window([40000.0, 30000.0, 1.0, 2.0])  # 80000 does not fit fp16
+    assert opt.grad_norm is not None and float(opt.grad_norm) == pytest.approx(float(summed.norm()), rel=1e-6)
+    if max_grad_norm is None:
+        assert not opt.stepped and opt.skipped_steps == 1 and opt.micro_step == 0
+        assert torch.equal(param.detach(), torch.zeros(4, dtype=torch.float16))
+        assert scaler.get_scale() == 0.5  # backed off, as for inf
+        assert param.grad is None
+    else:
+        assert opt.stepped and opt.skipped_steps == 0
+        step = summed * max_grad_norm / (summed.norm() + 1e-6)
+        # One fp16 rounding: half an ulp, 2^-11 of the value (2^-25 absolute among the subnormals).
+        assert bool(((param.detach().double() + step).abs() <= 2.0**-11 * step.abs() + 2.0**-25).all())
+    before = param.detach().double()
+    summed = window([30000.0, -30000.0, 30000.0, 3.0])  # norm ~1e5 > 65504, every value fits fp16
+    assert opt.stepped
+    step = summed if max_grad_norm is None else summed * max_grad_norm / (summed.norm() + 1e-6)
+    # Two fp16 roundings (the gradient's cast, SGD's add), each within half an ulp.
+    error = (param.detach().double() - (before - step)).abs()
+    assert bool((error <= 2.0**-10 * (before.abs() + step.abs()) + 2.0**-24).all()), error
+
+
 def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend, loop):
     model = _model()
     unused = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))

@@ -180,9 +180,7 @@ def test_gradient_checkpointing(backend, reentrant):
     model, reference = _model(), _model()
     weights = [float(x.shape[0]) for x in batches]
     _step_time_run(reference, batches, 2, weights, backend=backend)
-    opt = GradAccumulator(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, backend=backend, bucket_bytes=1
-    )
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, backend=backend, bucket_bytes=1)
 
     def checkpointed_loss(x):
         hidden = torch.utils.checkpoint.checkpoint(model[:4], x, use_reentrant=reentrant)

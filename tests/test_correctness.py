@@ -27,9 +27,7 @@ def _tiny_gpt2(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """Two layers, width 16, random init. GPT-2's learned positions keep a float64 forward float64 throughout;
     rotary models compute their angles in float32, whose rounding varies with the padded width."""
     transformers = pytest.importorskip("transformers")
-    config = tiny_gpt2_config(
-        _VOCAB, pad_token_id=_PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager"
-    )
+    config = tiny_gpt2_config(_VOCAB, pad_token_id=_PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config).to(dtype)
 
@@ -48,8 +46,12 @@ def _concat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     width = max(batch["input_ids"].shape[1] for batch in batches)
     fill = {"input_ids": _PAD, "attention_mask": 0, "labels": -100}
     return {
-        key: torch.cat([torch.nn.functional.pad(batch[key], (0, width - batch[key].shape[1]), value=fill[key])
-                        for batch in batches])
+        key: torch.cat(
+            [
+                torch.nn.functional.pad(batch[key], (0, width - batch[key].shape[1]), value=fill[key])
+                for batch in batches
+            ]
+        )
         for key in fill
     }
 
@@ -395,8 +397,13 @@ def _regression(seed=6):
 def _regression_windows(sizes, seed=7):
     generator = torch.Generator().manual_seed(seed)
     return [
-        [(torch.randn(n, 5, generator=generator, dtype=torch.float64),
-          torch.randn(n, 3, generator=generator, dtype=torch.float64)) for n in window]
+        [
+            (
+                torch.randn(n, 5, generator=generator, dtype=torch.float64),
+                torch.randn(n, 3, generator=generator, dtype=torch.float64),
+            )
+            for n in window
+        ]
         for window in sizes
     ]
 

@@ -205,6 +205,20 @@ def test_module_buffers_are_broadcast_once_per_window_as_under_no_sync(ranks: li
         torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_fsdp_cast_overflow_in_one_shard_skips_the_window_on_every_rank(ranks: list[dict]) -> None:
+    """fp16 parameters summed past 65504 in rank 0's shard only: every rank skips that window (its parameters stay
+    zero) and steps the next, so the shards stay one model."""
+    for rank in range(cases.WORLD):
+        result = ranks[rank]["fsdp fp16 overflow"]
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        assert result["skipped"] == 1 and result["stepped"], rank
+        skipped, stepped = result["shards"]
+        assert torch.equal(skipped, torch.zeros_like(skipped)), rank
+        # The second window: row 0's gradient sums to 2 ranks x 2 micro-batches x 2.0, the others' to x 0.5.
+        row = 8.0 if rank == 0 else 2.0
+        assert torch.equal(stepped, torch.full_like(stepped, -row)), rank
+
+
 def test_fsdp_sync_switched_off_once_stays_off_after_each_window(ranks: list[dict]) -> None:
     """opt.backward() turns FSDP's gradient sync on for a window's last micro-batch only: the user's
     set_requires_gradient_sync(False) holds again for the next window's micro-batches (the case itself is exact,

@@ -80,8 +80,13 @@ def variants() -> Iterator[dict]:
                         "name": f"fold acc={acc_name} grad={grad_name} first={first} finish={finish} block={block}",
                         "kernel": _fold_kernel,
                         "signature": _signature(_fold_kernel, types),
-                        "constexprs": {"FIRST": first, "FINISH": finish, "BLOCK": block, "OFFSET_ALIGN": offset_align,
-                                       "GRAD_ALIGN": _layout.ALIGN_LIMIT},  # fmt: skip
+                        "constexprs": {
+                            "FIRST": first,
+                            "FINISH": finish,
+                            "BLOCK": block,
+                            "OFFSET_ALIGN": offset_align,
+                            "GRAD_ALIGN": _layout.ALIGN_LIMIT,
+                        },  # fmt: skip
                         "warps": warps,
                         # the gradient, the accumulator unless the first micro-batch overwrites it; one store
                         "wide_loads": (grad_bytes + (0 if first else acc_bytes)) // 16,
@@ -112,8 +117,14 @@ def variants() -> Iterator[dict]:
         acc_type = _POINTER_TYPES[acc]
         # fold_finish_ reduces with flags; sum_of_squares reduces globally or per segment, without
         for per_segment, has_flag in [(False, True), (False, False), (True, False)]:
-            types = {"partial_ptr": acc_type, "flag_ptr": "*u8" if has_flag else acc_type, "range_ptr": "*i64",
-                     "n_partials": "i64", "out_ptr": acc_type, "out_flag_ptr": "*u8" if has_flag else acc_type}
+            types = {
+                "partial_ptr": acc_type,
+                "flag_ptr": "*u8" if has_flag else acc_type,
+                "range_ptr": "*i64",
+                "n_partials": "i64",
+                "out_ptr": acc_type,
+                "out_flag_ptr": "*u8" if has_flag else acc_type,
+            }
             yield {
                 "name": f"reduce_partials acc={acc_name} per_segment={per_segment} flag={has_flag}",
                 "kernel": _reduce_partials_kernel,
