@@ -248,6 +248,14 @@ class GradAccumulator(torch.optim.Optimizer):
             ),
             default=None,
         )
+        # The weights a fold can carry: 0, or a normal number of the narrowest accumulation dtype (a float32 weight
+        # beyond it would fold as inf or lose its precision to underflow).
+        narrowest = min((group.buffer.accum_dtype for group in self._groups), key=lambda d: torch.finfo(d).max)
+        self._weight_range: tuple[float, float, torch.dtype] = (
+            torch.finfo(narrowest).tiny,
+            torch.finfo(narrowest).max,
+            narrowest,
+        )
         # In the inner optimizer's order: a parameter swapped there would be stepped with a gradient never folded.
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
@@ -517,7 +525,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 what the closure returned. A refusal after it leaves its gradients (or its open micro-batch), so
                 ``step()`` can be called again without it.
             weight: this micro-batch's weight (a sample or token count) for the ``loss.backward()`` loop, a
-                non-negative finite number (Python or NumPy) or a 0-d tensor (default 1); refused after
+                non-negative finite number (Python or NumPy) or a 0-d tensor (default 1), 0 or a normal number of
+                the accumulation dtype (float32: 1.2e-38 to 3.4e38); refused after
                 ``backward()``, which takes it. Keyword only. A tensor stays on its device: no host sync. A CPU
                 tensor or number is checked here; a device tensor is checked on the device and a bad value raises
                 at the end of the window (where the one host sync of the step happens), discarding that window.
@@ -952,7 +961,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._check_weight_value(weight.item())
                 return weight.to(device=self._home, dtype=torch.float64), None
             w = weight.to(device=self._home, dtype=torch.float64, non_blocking=True)
-            return w, ~torch.isfinite(w) | (w < 0)
+            tiny, top, _ = self._weight_range
+            return w, ~((w == 0) | ((w >= tiny) & (w <= top)))  # nan fails every comparison
         number = _real_number(weight)
         if number is None:
             raise TypeError(f"weight must be None, a number or a 0-d tensor, got {type(weight).__name__}")
@@ -963,11 +973,16 @@ class GradAccumulator(torch.optim.Optimizer):
         if bad is not None:
             self._bad_weight = bad if self._bad_weight is None else self._bad_weight | bad
 
-    @staticmethod
-    def _check_weight_value(value: float, given: Any = None) -> None:
+    def _check_weight_value(self, value: float, given: Any = None) -> None:
+        shown = value if given is None else given
         if not math.isfinite(value) or value < 0:
-            shown = value if given is None else given
             raise ValueError(f"weight must be a non-negative finite number, got {shown!r}")
+        tiny, top, dtype = self._weight_range
+        if value != 0 and not tiny <= value <= top:
+            raise ValueError(
+                f"weight must be 0 or between {tiny:.4g} and {top:.4g} (normal numbers of the {dtype} accumulation), "
+                f"got {shown!r}; rescale the weights (with normalization='mean' only their ratios matter)"
+            )
 
     def _held_grads(self) -> list[list[torch.Tensor | None]]:
         """Every group's unfolded gradients, checked before any buffer changes (a refused step changes nothing).
@@ -1065,8 +1080,8 @@ class GradAccumulator(torch.optim.Optimizer):
         if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
             raise ValueError(
-                "weight: a tensor weight given in this window was negative, nan or inf; the window "
-                "was discarded and the inner optimizer did not step"
+                "weight: a tensor weight given in this window was negative, nan, inf or outside the accumulation "
+                "dtype's normal range; the window was discarded and the inner optimizer did not step"
             )
         if nonfinite:
             self._skip_window(found_inf)

@@ -497,6 +497,26 @@ def _assert_same_state(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
+@pytest.mark.parametrize("weight", [1e-39, 1e39, torch.tensor(1e39, dtype=torch.float64), 1e-300], ids=str)
+def test_weight_outside_the_accumulation_range_is_refused(backend, loop, weight):
+    """A float32 fold would carry 1e39 as inf and 1e-39 as a subnormal (1e-300 as zero): refused with the range,
+    before anything changes, rather than skipped as non-finite or folded wrongly. The range is the accumulation
+    dtype's: a float64 buffer takes both."""
+    model = _model(torch.float32)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, backend=backend)
+    x, y = _data([3], dtype=torch.float32)[0]
+    with pytest.raises(ValueError, match="weight must be 0 or between 1.175e-38 and 3.403e[+]38"):
+        micro_batch(opt, _loss(model, x, y), loop, weight=weight)
+    assert opt.micro_step == 0 and opt.skipped_steps == 0
+    opt.zero_grad()
+    micro_batch(opt, _loss(model, x, y), loop, weight=0.0)  # zero stays a valid weight
+    assert opt.micro_step == 1
+    model = _model(torch.float32)
+    wide = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend, accum_dtype=torch.float64)
+    micro_batch(wide, _loss(model, x, y), loop, weight=weight)
+    assert wide.micro_step == 1
+
+
 @pytest.mark.parametrize(
     ("weight", "error", "message"),
     [
@@ -785,17 +805,18 @@ def test_end_window_and_weight_arguments_are_checked():
 
 
 @pytest.mark.gpu
-def test_device_tensor_weight_checked_at_window_end():
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), 1e39, 1e-39], ids=str)
+def test_device_tensor_weight_checked_at_window_end(bad):
     model = _model(torch.float32).cuda()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
     before = [p.detach().clone() for p in model.parameters()]
     for index, (x, y) in enumerate(_data([2, 2], dtype=torch.float32, seed=130)):
         _loss(model, x.cuda(), y.cuda()).backward()
-        weight = torch.tensor(-1.0 if index == 0 else 2.0, device="cuda")
+        weight = torch.tensor(bad if index == 0 else 2.0, dtype=torch.float64, device="cuda")
         if index == 0:
             opt.step(weight=weight)  # no host sync: the check waits for the end of the window
         else:
-            with pytest.raises(ValueError, match="weight"):
+            with pytest.raises(ValueError, match="weight: a tensor weight given in this window was negative"):
                 opt.step(weight=weight)
     assert opt.micro_step == 0 and not opt.stepped
     for p, b in zip(model.parameters(), before, strict=True):
