@@ -352,6 +352,29 @@ def test_gradient_tables_are_reused_when_addresses_repeat():
 
 
 @needs_triton
+def test_tables_of_many_buckets_are_reused_every_micro_batch():
+    """A model cut into more buckets than one table cache holds folds them in turn every micro-batch: each bucket
+    keeps its own tables, so the second micro-batch builds and copies none."""
+    buckets = _layout.GRAD_TABLE_CACHE_SIZE + _layout.BLOCK_TABLE_CACHE_SIZE + 3
+    accs = [torch.zeros(16 + index, device=DEVICE) for index in range(buckets)]
+    grads = [[torch.randn(8 + index, device=DEVICE)] for index in range(buckets)]
+
+    def micro_batch():
+        return [
+            (_layout.block_table(acc, [0], [8 + index]), _layout.grad_tables(acc, grads[index]).table)
+            for index, acc in enumerate(accs)
+        ]
+
+    first, second = micro_batch(), micro_batch()
+    for (block_a, grad_a), (block_b, grad_b) in zip(first, second, strict=True):
+        assert block_a is block_b and grad_a is grad_b
+    assert all(acc in _layout._cached for acc in accs)
+    held = len(_layout._cached)
+    del accs[0]  # a dropped buffer takes its tables with it
+    assert len(_layout._cached) == held - 1
+
+
+@needs_triton
 def test_alignment_hints_divide_every_offset():
     assert _layout.alignment([0, 16, 48]) == 16
     assert _layout.alignment([64, 24]) == 8
@@ -516,5 +539,5 @@ def test_ops_on_a_side_stream_after_the_default_stream():
         on_side = _run_every_op(device, "triton", seed=9)
     torch.cuda.current_stream(device).wait_stream(side)
     _assert_same_results(on_side, expected)
-    streams = {key[1] for key in _layout._grad_table_cache}
+    streams = {key[0] for cached in _layout._cached.values() for key in cached.grads}
     assert {torch.cuda.current_stream(device).stream_id, side.stream_id} <= streams

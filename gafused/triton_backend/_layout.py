@@ -4,7 +4,7 @@ Every kernel runs one program per *block*: a run of at most ``block_size`` eleme
 The block table maps a program id to its segment and to its start within that segment, so one launch
 covers every segment of a buffer, however many there are, and alignment padding between segments is
 never touched (each block masks at its segment's end). The table depends only on the layout, so it is
-built once per (device, offsets, numels) and cached.
+built once per (accumulation tensor, stream, offsets, numels) and cached beside that tensor.
 
 Devices and streams: a Triton launch runs on torch's *current* CUDA device and that device's current stream,
 not on the device of its arguments. Every op is therefore wrapped in ``on_acc_device``, so a buffer on
@@ -18,6 +18,11 @@ kernel, so the same kernel code runs on a GPU and under TRITON_INTERPRET=1 on CP
 interpreter computes addresses over real host memory). The caching allocator hands a training loop the
 same gradient addresses micro-batch after micro-batch, so the device copy of a table is kept for the
 last few address patterns (per stream) and reused: a repeated pattern costs no host-to-device copy at all.
+
+Both caches are kept per accumulation tensor (a bucket's ``data``), weakly keyed on it: a model cut into many
+buckets folds them one after another every micro-batch, and one cache shared by all of them would evict each
+bucket's tables before its next use once the buckets outnumber its entries. A dropped buffer takes its tables
+with it.
 
 Wide loads: a full block (every lane inside its segment) takes an unmasked path, and the kernels tell
 the compiler how its addresses are aligned through ``tl.multiple_of`` hints. The alignments are
@@ -34,12 +39,13 @@ import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakTensorKeyDictionary
 
 R = TypeVar("R")
 
@@ -54,8 +60,10 @@ REDUCE_BLOCK = 1024
 # enough distinct values that kernels compile only a handful of variants.
 ALIGN_LIMIT = 16
 
-# Gradient tables kept per address pattern (see grad_tables); a few cover loops that alternate between patterns.
+# Per accumulation tensor: gradient tables kept per address pattern (see grad_tables), a few to cover loops that
+# alternate between patterns; block tables kept per (stream, layout), one per stream in practice.
 GRAD_TABLE_CACHE_SIZE = 8
+BLOCK_TABLE_CACHE_SIZE = 8
 
 
 @triton.jit
@@ -131,16 +139,13 @@ def launch_config(numels: tuple[int, ...], itemsize: int = 4) -> tuple[int, int]
     return 1024, 4
 
 
-@functools.lru_cache(maxsize=64)
 def _block_table(
     device: torch.device,
-    stream: int | None,
     itemsize: int,
     acc_numel: int,
     offsets: tuple[int, ...],
     numels: tuple[int, ...],
 ) -> BlockTable:
-    del stream  # part of the cache key only: see _stream_key
     if len(offsets) != len(numels):
         raise ValueError(f"offsets and numels must have the same length, got {len(offsets)} and {len(numels)}")
     for start, numel in zip(offsets, numels, strict=True):
@@ -159,11 +164,11 @@ def _block_table(
         offset_align=alignment(offsets),
         num_warps=num_warps,
         n_blocks=n_blocks,
-        block_segment=block_segment.to(device),
-        block_start=block_start.to(device),
-        segment_offset=torch.tensor(offsets, dtype=torch.int64).to(device),
-        segment_numel=numel_cpu.to(device),
-        segment_first_block=first_block.to(device),
+        block_segment=_to_device(block_segment, device),
+        block_start=_to_device(block_start, device),
+        segment_offset=_to_device(torch.tensor(offsets, dtype=torch.int64), device),
+        segment_numel=_to_device(numel_cpu, device),
+        segment_first_block=_to_device(first_block, device),
     )
 
 
@@ -185,15 +190,58 @@ def _stream_key(acc: torch.Tensor) -> int | None:
     return torch.cuda.current_stream(acc.device).stream_id if acc.is_cuda else None
 
 
+@dataclass
+class _Cached:
+    """The tables cached for one accumulation tensor (see the module docstring)."""
+
+    blocks: OrderedDict[tuple, BlockTable] = field(default_factory=OrderedDict)
+    grads: OrderedDict[tuple, tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]] = field(
+        default_factory=OrderedDict
+    )
+
+
+_cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _cached_for(acc: torch.Tensor) -> _Cached:
+    cached = _cached.get(acc)
+    if cached is None:
+        cached = _cached[acc] = _Cached()
+    return cached
+
+
+def _remember(cache: OrderedDict, key: tuple, value: Any, size: int) -> None:
+    cache[key] = value
+    if len(cache) > size:
+        cache.popitem(last=False)
+
+
+def _recall(cache: OrderedDict, key: tuple) -> Any:
+    """The cached value (marked most recently used) or None. pop-then-insert: no KeyError if another thread
+    evicted the entry between a lookup and a move."""
+    value = cache.pop(key, None)
+    if value is not None:
+        cache[key] = value
+    return value
+
+
 def block_table(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> BlockTable:
     """The cached block table of this layout on ``acc``'s device (built and checked on first use)."""
-    return _block_table(acc.device, _stream_key(acc), acc.element_size(), acc.numel(), tuple(offsets), tuple(numels))
+    cache = _cached_for(acc).blocks
+    key = (_stream_key(acc), acc.element_size(), acc.numel(), tuple(offsets), tuple(numels))
+    table = _recall(cache, key)
+    if table is None:
+        table = _block_table(acc.device, *key[1:])
+        _remember(cache, key, table, BLOCK_TABLE_CACHE_SIZE)
+    return table
 
 
-def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    table = torch.tensor(rows, dtype=torch.int64)
+def _to_device(table: torch.Tensor | list[list[int]], device: torch.device) -> torch.Tensor:
+    """An int64 host table on ``device``; on a GPU the copy is queued without the host waiting for it."""
+    table = torch.as_tensor(table, dtype=torch.int64)
     if device.type == "cuda":
-        # Pinned source + non_blocking: the copy is queued on the stream and the host does not wait.
+        # Pinned source + non_blocking: the copy is queued on the stream and the host does not wait (a copy from
+        # pageable memory would wait for the stream to finish everything queued before it).
         return table.pin_memory().to(device, non_blocking=True)
     return table.to(device)
 
@@ -217,11 +265,6 @@ class GradTables:
     keep_alive: list[torch.Tensor]
 
 
-# Address pattern -> (index into grads of each launch's base, device table, alignments). The key holds only
-# integers and dtypes, never tensors, so a cached entry keeps no gradient alive.
-_grad_table_cache: OrderedDict[tuple, tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]] = OrderedDict()
-
-
 def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTables:
     """Group gradients by dtype, one launch per group, and give each launch its table of offsets.
 
@@ -231,7 +274,9 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
     """
     keep_alive: list[torch.Tensor] = []
     flat: list[torch.Tensor | None] = []
-    key: list[object] = [acc.device, _stream_key(acc)]
+    # Address pattern -> (index into grads of each launch's base, device table, alignments). The key holds only
+    # integers and dtypes, never tensors, so a cached entry keeps no gradient alive.
+    key: list[object] = [_stream_key(acc)]
     for grad in grads:
         if grad is None or grad.numel() == 0:
             flat.append(None)
@@ -245,9 +290,9 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
         key.append(grad.data_ptr())
         key.append(grad.dtype)
     cache_key = tuple(key)
-    cached = _grad_table_cache.get(cache_key)
+    cache = _cached_for(acc).grads
+    cached = _recall(cache, cache_key)
     if cached is not None:
-        _grad_table_cache.move_to_end(cache_key)
         base_indices, table, aligns = cached
         bases = [acc if index < 0 else flat[index] for index in base_indices]
         return GradTables(bases, table, list(aligns), keep_alive)
@@ -279,8 +324,6 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
         base_indices, aligns = tuple(indices), tuple(align_list)
     table = _to_device(rows, acc.device)
     if not keep_alive:  # copies get new addresses every call: nothing to reuse
-        _grad_table_cache[cache_key] = (base_indices, table, aligns)
-        if len(_grad_table_cache) > GRAD_TABLE_CACHE_SIZE:
-            _grad_table_cache.popitem(last=False)
+        _remember(cache, cache_key, (base_indices, table, aligns), GRAD_TABLE_CACHE_SIZE)
     bases = [acc if index < 0 else flat[index] for index in base_indices]
     return GradTables(bases, table, list(aligns), keep_alive)
