@@ -72,9 +72,10 @@ def _cuda_build() -> tuple[list, dict]:
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     # Without a GPU torch cannot detect the target; build the architectures the kernels are checked for
-    # (A100, H100) rather than torch's long default list.
+    # (A100, H100) rather than torch's long default list, plus sm_90 PTX that newer GPUs compile at first use.
+    # Older GPUs (sm_70, sm_75) get no code: the cuda backend then reports itself unavailable and "auto" moves on.
     if not gpu_visible and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
     # ninja otherwise starts one nvcc per core, and each can take GBs of memory.
     if not os.environ.get("MAX_JOBS"):
         os.environ["MAX_JOBS"] = str(max(1, min(os.cpu_count() or 1, 8)))

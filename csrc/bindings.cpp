@@ -270,6 +270,14 @@ void scale(const at::Tensor& acc, const std::vector<int64_t>& offsets, const std
                                          as_stream(stream)));
 }
 
+// "" when the extension has code for CUDA device `device_index`, else why not (a build for other architectures).
+std::string kernel_image_error(int64_t device_index) {
+  const c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)));
+  const cudaError_t error = gafused::kernel_image_status();
+  if (error == cudaSuccess) return "";
+  return std::string(cudaGetErrorName(error)) + ": " + cudaGetErrorString(error);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -282,6 +290,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("first"), py::arg("stream"));
   m.def("sum_of_squares", &sum_of_squares, "deterministic sum of squares, total (0-d) or per segment",
         py::arg("acc"), py::arg("offsets"), py::arg("numels"), py::arg("per_segment"), py::arg("stream"));
+  m.def("kernel_image_error", &kernel_image_error, "'' when the build runs on this CUDA device, else why not",
+        py::arg("device_index"));
   m.def("scale_", &scale, "every segment *= coef, in place or cast into out", py::arg("acc"), py::arg("offsets"),
         py::arg("numels"), py::arg("coef"), py::arg("out"), py::arg("stream"));
 }

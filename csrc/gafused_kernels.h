@@ -83,4 +83,9 @@ cudaError_t launch_reduce_chunks_per_segment(DType acc_dtype, const void* chunk_
 cudaError_t launch_scale(DType acc_dtype, void* acc, DType out_dtype, void* out, const SegmentTable& table,
                          const void* coef, cudaStream_t stream);
 
+// cudaSuccess when this build holds code (SASS, or PTX to compile) that the current device can run, else the error
+// a launch would fail with (cudaErrorNoKernelImageForDevice or cudaErrorInvalidDeviceFunction). That error is
+// cleared again: the next launch check does not see it.
+cudaError_t kernel_image_status();
+
 }  // namespace gafused

@@ -92,4 +92,12 @@ cudaError_t launch_scale(DType acc_dtype, void* acc, DType out_dtype, void* out,
   }
 }
 
+// Every kernel is compiled for the same architectures, so one kernel answers for all of them.
+cudaError_t kernel_image_status() {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, detail::scale_kernel<float, float>);
+  if (error != cudaSuccess) cudaGetLastError();
+  return error;
+}
+
 }  // namespace gafused

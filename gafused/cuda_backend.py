@@ -11,6 +11,8 @@ error and reports it with the command that builds the extension.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -35,7 +37,24 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"the cuda backend needs a CUDA build of torch, found torch {torch.__version__}"
     if not torch.cuda.is_available():
         return "the cuda backend needs a visible CUDA device; torch.cuda.is_available() is False"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        return f"the cuda backend needs a visible CUDA device; {device} is not one of {torch.cuda.device_count()}"
+    error = _kernel_image_error(index)
+    if error:
+        major, minor = torch.cuda.get_device_capability(index)
+        return (
+            f"gafused._C was built without code for {torch.cuda.get_device_name(index)} (compute capability "
+            f"{major}.{minor}): {error}; rebuild it for this GPU with TORCH_CUDA_ARCH_LIST={major}.{minor} "
+            "pip install --no-build-isolation -e ."
+        )
     return None
+
+
+@functools.cache
+def _kernel_image_error(index: int) -> str:
+    # Asked once per device: whether the build holds SASS for its architecture, or PTX it can compile.
+    return _C.kernel_image_error(index)
 
 
 def _stream(acc: torch.Tensor) -> int:

@@ -8,6 +8,7 @@ that follows the dtype, and must be bitwise repeatable. GPU tests skip without a
 from __future__ import annotations
 
 import re
+import warnings
 import zlib
 
 import pytest
@@ -77,8 +78,8 @@ def test_built_extension_refuses_cpu_tensors_naming_the_argument():
         "sum_of_squares": lambda: extension.sum_of_squares(acc, [0], [8], False, stream),
         "scale_": lambda: extension.scale_(acc, [0], [8], scalar, None, stream),
     }
-    # An op added to the extension must be added here too.
-    assert {name for name in dir(extension) if not name.startswith("_")} == set(extension_calls)
+    # An op added to the extension must be added here too (kernel_image_error takes a device index, no tensor).
+    assert {name for name in dir(extension) if not name.startswith("_")} == {*extension_calls, "kernel_image_error"}
     for name, call in extension_calls.items():
         with pytest.raises(RuntimeError, match=re.escape(f"{name}: acc must be a CUDA tensor, got one on cpu")):
             call()
@@ -268,6 +269,35 @@ def test_fold_finish_on_buffer_through_ops(accum_dtype):
         _assert_bitwise(buffer.data, expected.data)
     torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[accum_dtype], atol=0)
     assert bool(result[1]) is False
+
+
+@pytest.mark.gpu
+def test_the_build_has_code_for_the_visible_gpu():
+    _built_extension()
+    from gafused import cuda_backend
+
+    index = torch.cuda.current_device()
+    assert cuda_backend._C.kernel_image_error(index) == ""
+    assert ops.backend_unavailable_reason("cuda", torch.device("cuda", index)) is None
+
+
+@pytest.mark.gpu
+def test_a_build_without_code_for_the_gpu_is_unavailable_and_auto_moves_on(monkeypatch):
+    """A build for other architectures (made without a GPU for sm_80/sm_90, run on a T4): "auto" must not pick the
+    cuda backend, and naming it says how to rebuild."""
+    _built_extension()
+    from gafused import cuda_backend
+
+    error = "cudaErrorNoKernelImageForDevice: no kernel image is available for execution on the device"
+    monkeypatch.setattr(cuda_backend, "_kernel_image_error", lambda index: error)
+    device = torch.device("cuda", torch.cuda.current_device())
+    reason = ops.backend_unavailable_reason("cuda", device)
+    assert reason is not None and error in reason and "TORCH_CUDA_ARCH_LIST=" in reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no fused backend left warns when triton is missing too
+        assert ops.resolve_backend("auto", device) != "cuda"
+    with pytest.raises(RuntimeError, match="TORCH_CUDA_ARCH_LIST="):
+        ops.resolve_backend("cuda", device)
 
 
 @pytest.mark.gpu
