@@ -9,6 +9,7 @@ read the results; the last ones check refusals and a skipped window in this proc
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import transformers_cases as cases  # noqa: E402
 import gafused  # noqa: E402
 from gafused.integrations.transformers import GafusedTrainer  # noqa: E402
 
-from casekit import run_case_script  # noqa: E402
+from casekit import run_case_script, tiny_gpt2_config  # noqa: E402
 
 # |p - p_truth| / |p_truth - p0| over the whole model, fp32 training against the float64 truth after 6 windows
 # (3 on 2 ranks): float32 rounding of the forward, backward and sums. Plain fp32 PyTorch on the same big batches
@@ -154,6 +155,63 @@ def test_causal_lm_items_are_counted_after_the_shift(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
     batch = cases.collate([{"input_ids": torch.arange(1, 6)}, {"input_ids": torch.arange(1, 3)}])
     assert int(trainer.loss_items(batch)) == 4 + 1
+
+
+class _Labelled(torch.utils.data.Dataset):
+    """Sequences of 2 to 9 tokens, each with a class label, for a sequence-classification head."""
+
+    def __init__(self, count: int = 4) -> None:
+        generator = torch.Generator().manual_seed(3)
+        lengths = torch.randint(2, 10, (count,), generator=generator).tolist()
+        self.items = [
+            {
+                "input_ids": torch.randint(3, cases.VOCAB, (n,), generator=generator),
+                "labels": torch.randint(0, 3, (), generator=generator),
+            }
+            for n in lengths
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def test_a_head_whose_loss_ignores_the_item_count_is_averaged_not_summed(tmp_path: Path) -> None:
+    """GPT2ForSequenceClassification's forward takes **kwargs, so Trainer treats its loss as normalized over the
+    window, but the loss is a cross-entropy mean over its own micro-batch: summing four of them makes the gradient
+    4x too large. GafusedTrainer weighs them as means: one window of 4 one-sequence micro-batches (SGD, lr 1, no
+    clipping) must step by the mean of the 4 gradients, computed here in float64."""
+    config = tiny_gpt2_config(cases.VOCAB, num_labels=3, pad_token_id=cases.PAD, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2ForSequenceClassification(config)
+    assert model.loss_type == "ForSequenceClassification" and not hasattr(model, "accepts_loss_kwargs")
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    data = _Labelled()
+    grads = {name: torch.zeros_like(p) for name, p in start.items()}
+    for item in data.items:
+        truth.zero_grad()
+        truth(input_ids=item["input_ids"][None], labels=item["labels"][None]).loss.backward()
+        for name, p in truth.named_parameters():
+            grads[name] += p.grad / len(data)
+
+    trainer = GafusedTrainer(
+        model=model,
+        args=cases._arguments(str(tmp_path), learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant"),
+        train_dataset=data,
+        data_collator=lambda items: {key: torch.stack([item[key] for item in items]) for key in items[0]},
+    )
+    assert trainer.model_accepts_loss_kwargs is False and trainer.accumulator is None
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.accumulator.normalization == "mean"
+    # |step - step64| / |step64| over the whole model, as the module's other bounds; summing the means gives 3.
+    step_error = sum(
+        float((start[name] - p.detach().double() - grads[name]).square().sum()) for name, p in model.named_parameters()
+    )
+    error = (step_error / sum(float(g.square().sum()) for g in grads.values())) ** 0.5
+    assert error < 1e-5, error
 
 
 @pytest.mark.parametrize(

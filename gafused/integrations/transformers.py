@@ -26,6 +26,12 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   loss is a mean over its own micro-batch: ``normalization="mean"`` with the micro-batch's loss items
   (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count is not applied to the
   backward (the returned, logged loss keeps it).
+- Heads whose loss ignores ``num_items_in_batch``: Trainer takes a model whose ``forward`` accepts ``**kwargs`` to
+  normalize its loss over the window, but transformers' losses for sequence, token, image, audio and video
+  classification, question answering, detection and CTC (``LOSS_MAPPING`` entries without that argument) stay means
+  over the micro-batch. For such a model (``loss_type`` in that mapping, no ``accepts_loss_kwargs`` declared, no
+  custom loss function set) GafusedTrainer sets ``model_accepts_loss_kwargs = False``, so its losses are weighed as
+  the per-micro-batch means they are; plain Trainer sums them (``gradient_accumulation_steps`` times too large).
 - Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
@@ -36,6 +42,7 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -121,6 +128,11 @@ class GafusedTrainer(transformers.Trainer):
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
         self._check_supported()
+        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification,
+        # ...): Trainer would treat that loss as normalized over the window and sum the means. Its loss is what it
+        # is, so it is weighed as one (see module docstring).
+        if self.model_accepts_loss_kwargs and _loss_ignores_item_count(unwrap_peft_model(self.model)):
+            self.model_accepts_loss_kwargs = False
         self._sums = self._loss_normalized_over_window()
         if self._sums and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             raise ValueError(
@@ -342,6 +354,16 @@ def _routed_backward(accelerator: Any, backward: Any) -> Iterator[None]:
             del accelerator.backward
         else:
             accelerator.backward = shadowed
+
+
+def _loss_ignores_item_count(model: torch.nn.Module) -> bool:
+    """A model whose loss is transformers' own for its ``loss_type`` and takes no ``num_items_in_batch``: a mean over
+    the micro-batch, whatever Trainer passes. A model that declares ``accepts_loss_kwargs``, or whose loss function
+    was replaced, says for itself."""
+    if hasattr(model, "accepts_loss_kwargs") or hasattr(model, "_loss_function"):
+        return False
+    loss = LOSS_MAPPING.get(getattr(model, "loss_type", None))
+    return loss is not None and "num_items_in_batch" not in inspect.signature(loss).parameters
 
 
 def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
