@@ -957,10 +957,12 @@ class GradAccumulator(torch.optim.Optimizer):
                 raise ValueError(f"weight must be a real number, got a tensor of dtype {weight.dtype}")
             if weight.requires_grad:
                 weight = weight.detach()
+            # Copies (copy=True): a float64 tensor on the home device would otherwise be kept as it is, and the
+            # caller's later in-place change (a reused token counter) would change this micro-batch's weight.
             if weight.device.type == "cpu":  # checking costs no device sync
                 self._check_weight_value(weight.item())
-                return weight.to(device=self._home, dtype=torch.float64), None
-            w = weight.to(device=self._home, dtype=torch.float64, non_blocking=True)
+                return weight.to(device=self._home, dtype=torch.float64, copy=True), None
+            w = weight.to(device=self._home, dtype=torch.float64, non_blocking=True, copy=True)
             tiny, top, _ = self._weight_range
             return w, ~((w == 0) | ((w >= tiny) & (w <= top)))  # nan fails every comparison
         number = _real_number(weight)

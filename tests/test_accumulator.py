@@ -497,6 +497,20 @@ def _assert_same_state(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64], ids=str)
+def test_a_weight_tensor_changed_in_place_later_keeps_the_value_it_had(backend, loop, dtype):
+    """A reused token counter: the weight is the tensor's value when given, whatever the tensor holds later (a
+    float64 tensor on the buffer's device would otherwise be kept by reference)."""
+    param = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), accumulation_steps=2, backend=backend)
+    counter = torch.zeros((), dtype=dtype)
+    for slope, count in ((1.0, 1), (4.0, 3)):
+        counter.fill_(count)
+        micro_batch(opt, param * slope, loop, weight=counter)
+    assert opt.stepped
+    assert float(param) == -(1.0 * 1 + 4.0 * 3) / (1 + 3)
+
+
 @pytest.mark.parametrize("weight", [1e-39, 1e39, torch.tensor(1e39, dtype=torch.float64), 1e-300], ids=str)
 def test_weight_outside_the_accumulation_range_is_refused(backend, loop, weight):
     """A float32 fold would carry 1e39 as inf and 1e-39 as a subnormal (1e-300 as zero): refused with the range,
