@@ -300,6 +300,42 @@ def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
         assert torch.allclose(p.double(), r, rtol=1e-6, atol=1e-7)  # fp32 rounding of a 3x2 linear model
 
 
+@pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])
+def test_stepping_only_at_the_sync_step_is_refused(fresh_accelerate, loop: str) -> None:
+    """Plain Accelerate's `if accelerator.sync_gradients: optimizer.step()` would fold a window's micro-batches as one
+    (summed, not averaged): the micro-batch after a block that ended without step() is refused, naming the fix."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=4, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    batches = iter(loader)
+    with accelerator.accumulate(model):
+        loss = model(next(batches)).square().mean()
+        accelerator.backward(loss, weight=2) if loop == "accelerator.backward" else loss.backward()
+        assert not accelerator.sync_gradients  # plain Accelerate's loop would not step here
+    with accelerator.accumulate(model), pytest.raises(RuntimeError, match="in every accelerator.accumulate"):
+        loss = model(next(batches)).square().mean()
+        if loop == "accelerator.backward":
+            accelerator.backward(loss, weight=3)
+        else:
+            loss.backward()
+            optimizer.step(weight=3)
+    assert optimizer.micro_step == 0 and not optimizer.stepped
+
+
+def test_every_block_with_its_step_is_accepted_across_epochs(fresh_accelerate) -> None:
+    """The counted blocks do not refuse the README loop: two epochs whose windows end at the dataloader's end."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=3)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    stepped = []
+    for _ in range(2):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).square().mean(), weight=4)
+                optimizer.step()
+                optimizer.zero_grad()
+            stepped.append(optimizer.stepped)
+    assert stepped == [False, True, True] * 2
+
+
 def test_skipped_window_does_not_step_the_scheduler(fresh_accelerate) -> None:
     accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)

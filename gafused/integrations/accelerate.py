@@ -24,7 +24,10 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
   division, the micro-batch's ``weight`` (token count) is given, gradients are folded during backward. fp16 loss
   scaling goes through gafused (``grad_scaler=accelerator.scaler``).
 - **step / zero_grad.** ``AcceleratedOptimizer.step`` runs the inner step only when ``sync_gradients``; gafused needs
-  every micro-batch's ``step()`` to end it. The optimizer returned here is an ``AcceleratedOptimizer`` whose
+  every micro-batch's ``step()`` to end it. A loop that calls ``step()`` only ``if accelerator.sync_gradients``
+  (right for plain Accelerate) would fold a window's micro-batches as one: ``prepare`` counts the ``accumulate()``
+  blocks (``Accelerator._do_sync``), and a ``backward`` or ``step()`` after a block that ended without ``step()``
+  raises. The optimizer returned here is an ``AcceleratedOptimizer`` whose
   ``step()`` always reaches the accumulator (the window's last finishes it) and whose ``step_was_skipped`` says
   whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads.
 - **The scheduler** (``AcceleratedScheduler``) steps only when ``sync_gradients`` (and, without ``split_batches``,
@@ -72,6 +75,11 @@ _SUPPORTED = frozenset(
     ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_SDAA", "MULTI_HPU")
 )
 _BACKWARD_KWARGS = ("retain_graph", "create_graph", "inputs")
+_STEP_EVERY_BLOCK = (
+    "with gafused, call optimizer.step() and optimizer.zero_grad() in every accelerator.accumulate() block, not only "
+    "when accelerator.sync_gradients: each step() ends its micro-batch (the inner optimizer runs at the sync step "
+    "only), and without it the micro-batches would be summed as one"
+)
 
 
 class AcceleratedGradAccumulator(AcceleratedOptimizer):
@@ -98,6 +106,11 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         self._is_accelerate_prepared = True
         self._num_processes = num_processes
         self._loaded_window: dict[str, Any] | None = None  # this rank's window, read by the load-state hook
+        # accumulate() blocks entered on the accelerator (counted by _install), and how many had been when step()
+        # last ran / when the open micro-batch's backward ran: every block must end with its own step().
+        self._blocks = 0
+        self._blocks_at_step = 0
+        self._blocks_at_backward = 0
 
     # What a gafused loop reads, from the accumulator.
     @property
@@ -128,8 +141,14 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
             weight: for a loop that calls ``loss.backward()`` itself: this micro-batch's weight (token count). After
                 ``accelerator.backward(loss, weight=w)`` it takes none.
         """
+        if self._blocks - self._blocks_at_step > 1:
+            raise RuntimeError(
+                f"optimizer.step(): {self._blocks - self._blocks_at_step} accelerator.accumulate() blocks ran since "
+                "the last optimizer.step(); " + _STEP_EVERY_BLOCK
+            )
         sync = self.gradient_state.sync_gradients
         result = self.accumulator.step(closure, weight=weight, end_window=sync)
+        self._blocks_at_step = self._blocks
         # What AcceleratedScheduler reads: a window that ended without an inner step was skipped (non-finite).
         self._is_overflow = sync and not self.accumulator.stepped
         return result
@@ -286,7 +305,13 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
                 "accelerator.backward(): the accelerator now holds other optimizers than gafused's; gafused's "
                 "Accelerate adapter supports one optimizer per Accelerator"
             )
+        if accumulator._micro is not None and prepared._blocks != prepared._blocks_at_backward:
+            raise RuntimeError(
+                "accelerator.backward(): the micro-batch of an earlier accelerator.accumulate() block was not ended "
+                "by optimizer.step(); " + _STEP_EVERY_BLOCK
+            )
         accumulator.backward(loss, weight=weight, end_window=accelerator.gradient_state.sync_gradients, **kwargs)
+        prepared._blocks_at_backward = prepared._blocks
 
     def refuse_clipping(original: Callable[..., Any], name: str) -> Callable[..., Any]:
         def clip(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -315,7 +340,14 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
         found = os.path.exists(path)
         prepared._loaded_window = torch.load(path, map_location="cpu", weights_only=True) if found else None
 
+    do_sync = accelerator._do_sync  # what accumulate() calls once per block, to count the micro-batch
+
+    def counted_do_sync() -> None:
+        prepared._blocks += 1
+        do_sync()
+
     accelerator.backward = backward
+    accelerator._do_sync = counted_do_sync
     accelerator.clip_grad_norm_ = refuse_clipping(clip_norm, "clip_grad_norm_")
     accelerator.clip_grad_value_ = refuse_clipping(clip_value, "clip_grad_value_")
     accelerator.register_save_state_pre_hook(save_window)
