@@ -372,3 +372,33 @@ def test_open_window_of_one_process_is_refused_across_processes(fresh_accelerate
     with pytest.raises(ValueError, match="different checkpoints"):
         other.load_state_dict(state)
     assert other.micro_step == 0
+
+
+def test_a_plain_accelerate_checkpoint_resumes_with_an_empty_window(fresh_accelerate, tmp_path) -> None:
+    """save_state by plain Accelerate (the inner optimizer's state, no window) loads into gafused's optimizer: the
+    momentum buffers come back and the next window trains from them."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=4)
+    optimizer.optimizer.param_groups[0]["momentum"] = 0.9
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    accelerator.save_state(str(tmp_path))
+    saved = {id_: state["momentum_buffer"].clone() for id_, state in enumerate(optimizer.optimizer.state.values())}
+    assert len(saved) == 2
+    _reset_accelerate()
+
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=4)
+    optimizer.optimizer.param_groups[0]["momentum"] = 0.9
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    accelerator.load_state(str(tmp_path))
+    loaded = list(optimizer.accumulator.optimizer.state.values())
+    assert all(torch.equal(state["momentum_buffer"], saved[i]) for i, state in enumerate(loaded))
+    assert optimizer.micro_step == 0
+    with accelerator.accumulate(model):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+        optimizer.step()
+    with pytest.raises(RuntimeError, match="open window"):  # a plain state cannot replace an open window
+        optimizer.load_state_dict(torch.load(tmp_path / "optimizer.bin", weights_only=True))
+    assert optimizer.micro_step == 1
