@@ -8,7 +8,9 @@
 // acc[offsets[i] : offsets[i] + numels[i]]. Each segment is cut into chunks of kChunkElems elements (the last
 // one shorter), chunks are numbered across segments in segment order, and partial sums are kept per chunk.
 // Because a chunk never spans two segments and its partial sum does not depend on which block computed it,
-// every reduction below has a fixed order whatever the grid size or the device.
+// every reduction below has a fixed order whatever the grid size or the device. One thing does change it: a fused
+// fold's chunk sum is added per thread over 16-byte vectors when the chunk's gradient is 16-byte aligned and over
+// single elements when it is not, so the same values at another alignment can round differently in the last bits.
 #pragma once
 
 #include <cuda_runtime_api.h>
