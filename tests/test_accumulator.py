@@ -254,6 +254,7 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the Triton interpreter's cast
 def test_finished_gradient_that_overflows_the_parameter_dtype_skips_the_step(backend, loop, max_grad_norm):
     """fp16 parameters, normalization="sum": each micro-batch's gradient fits fp16, their fp32 sum may not. A
     finished value that the cast to fp16 would make inf skips the window like a non-finite one; a norm beyond
@@ -508,7 +509,7 @@ def test_a_weight_tensor_changed_in_place_later_keeps_the_value_it_had(backend, 
         counter.fill_(count)
         micro_batch(opt, param * slope, loop, weight=counter)
     assert opt.stepped
-    assert float(param) == -(1.0 * 1 + 4.0 * 3) / (1 + 3)
+    assert float(param.detach()) == -(1.0 * 1 + 4.0 * 3) / (1 + 3)
 
 
 @pytest.mark.parametrize("weight", [1e-39, 1e39, torch.tensor(1e39, dtype=torch.float64), 1e-300], ids=str)
