@@ -228,10 +228,11 @@ def _recall(cache: OrderedDict, key: tuple) -> Any:
 def block_table(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> BlockTable:
     """The cached block table of this layout on ``acc``'s device (built and checked on first use)."""
     cache = _cached_for(acc).blocks
-    key = (_stream_key(acc), acc.element_size(), acc.numel(), tuple(offsets), tuple(numels))
+    layout = (tuple(offsets), tuple(numels))
+    key = (_stream_key(acc), acc.numel(), *layout)  # a tensor's dtype is fixed; resize_ could change its numel
     table = _recall(cache, key)
     if table is None:
-        table = _block_table(acc.device, *key[1:])
+        table = _block_table(acc.device, acc.element_size(), acc.numel(), *layout)
         _remember(cache, key, table, BLOCK_TABLE_CACHE_SIZE)
     return table
 
