@@ -7,7 +7,8 @@ micro-step of a window, the window's end included (README, "torch.compile"):
 - ``torch._dynamo.explain`` of ``forward; opt.backward(loss, weight=w); opt.step(); opt.zero_grad()`` reports
   GRAPHS graphs (the forward and loss; the code after the last call) and BREAKS graph break (the one that ends
   the forward's graph: the frames between the accumulator's calls hold no operation, so they make no graph);
-- compiled once: no recompilation from one micro-step, window or window length to the next.
+- compiled once: no recompilation from one micro-step, window or window length to the next (before torch 2.13,
+  once for the first ``end_window=True`` a driven window passes in as a Python bool).
 """
 
 import copy
@@ -22,6 +23,9 @@ from casekit import tanh_mlp
 GRAPHS = 2
 BREAKS = 1
 STEPS = 4
+# Before torch 2.13 (measured on 2.11.0 and 2.12.1) Dynamo guards on a Python bool handed to a skipped function, so
+# a driven window's ``end_window=True`` compiles the forward's frame once more: one frame more, once.
+BOOL_GUARD_FRAMES = 1 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13) else 0
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
 
@@ -105,7 +109,7 @@ def test_compiled_step_compiles_once_and_matches_the_big_batch(compile_backend, 
         assert opt.stepped
         frames = counter.frame_count if frames is None else frames
         assert counter.frame_count == frames  # no recompilation after the first window
-        assert counter.frame_count <= GRAPHS
+        assert counter.frame_count <= GRAPHS + (BOOL_GUARD_FRAMES if steps is None else 0)
         reference_opt.zero_grad()
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
