@@ -25,7 +25,7 @@ BREAKS = 1
 STEPS = 4
 # Before torch 2.13 (measured on 2.11.0 and 2.12.1) Dynamo guards on a Python bool handed to a skipped function, so
 # a driven window's ``end_window=True`` compiles the forward's frame once more: one frame more, once.
-BOOL_GUARD_FRAMES = 1 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13) else 0
+BOOL_GUARD_FRAMES = 1 if torch.__version__ < (2, 13) else 0  # torch's TorchVersion compares with tuples
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
 
