@@ -53,12 +53,18 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # None; "normalization" is absent from older checkpoints, which were all "mean").
 _STATE_VERSION = 2
 _NORMALIZATIONS = ("mean", "sum")
-_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
+# which overflows float16's range (65504) long before float32's.
+_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 # Inner optimizers that cannot run on a finished dense gradient handed over as p.grad.
 _UNSUPPORTED_OPTIMIZERS = {
     torch.optim.LBFGS: "it re-evaluates the loss through a closure, which a window of micro-batches cannot give",
     torch.optim.SparseAdam: "it needs sparse gradients, and accumulated gradients are dense",
 }
+
+
+# Every accumulator built and not yet collected (a new one over the same parameters releases what they handed out).
+_LIVE_ACCUMULATORS: weakref.WeakSet[GradAccumulator] = weakref.WeakSet()
 
 
 @dataclass
@@ -77,6 +83,9 @@ class _Group:
     finished: torch.Tensor | None = None
     # The views handed out as p.grad by the last inner step; released before the next backward adds to them.
     published: list[torch.Tensor | None] | None = None
+    # Their version counters once the inner step (and its post-hooks) returned: a view changed in place since holds
+    # a new gradient added to the finished one (a parameter that did not require grad then has no release hook).
+    published_versions: list[int | None] | None = None
     # Buckets folded in the open micro-batch (the first fold of a window's first micro-batch overwrites).
     bucket_touched: list[bool] = field(default_factory=list)
     # (sum of squares, non-finite flag) of each bucket finished during the last micro-batch of a window.
@@ -208,8 +217,8 @@ class GradAccumulator(torch.optim.Optimizer):
         for unsupported, why in _UNSUPPORTED_OPTIMIZERS.items():
             if isinstance(optimizer, unsupported):
                 raise TypeError(f"optimizer: {unsupported.__name__} cannot be wrapped: {why}")
-        self.accumulation_steps: int | None = _check_accumulation_steps(accumulation_steps)
-        self.max_grad_norm: float | None = _check_max_norm(max_grad_norm)
+        self.accumulation_steps = accumulation_steps  # checked by the property setters below
+        self.max_grad_norm = max_grad_norm
         if not isinstance(normalization, str) or normalization not in _NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {normalization!r}")
         self.normalization: str = normalization
@@ -221,7 +230,13 @@ class GradAccumulator(torch.optim.Optimizer):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         _check_positive_int(bucket_bytes, "bucket_bytes")
         if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be None or one of {_REDUCE_DTYPES}, got {reduce_dtype!r}")
+            why = (
+                " (a bucket holds the weighted sum of the window's gradients, beyond float16's range of 65504 for "
+                "token-count weights; torch.bfloat16 halves the bytes with float32's range)"
+                if reduce_dtype == torch.float16
+                else ""
+            )
+            raise ValueError(f"reduce_dtype must be None or one of {_REDUCE_DTYPES}, got {reduce_dtype!r}{why}")
         if model is None:
             if reduce_dtype is not None:
                 raise ValueError("reduce_dtype is for the buckets of a DDP model: pass model= as well")
@@ -296,16 +311,30 @@ class GradAccumulator(torch.optim.Optimizer):
             # FSDP2 assigns gradients without autograd's tensor hooks: release published ones before a forward.
             self._model_hook = model.register_forward_pre_hook(_release_published_before_forward(self))
         sync.attach()  # last: a refused construction leaves the model's own synchronization as it was
+        self._attached = True
+        # Finished gradients an earlier accumulator over these parameters handed out are views of its buffers, not
+        # new gradients: released, or the first step() here would fold them again.
+        managed = {id(param) for param in self._managed}
+        for other in list(_LIVE_ACCUMULATORS):
+            if any(id(param) in managed for param in other._managed):
+                other._release_published()
+        _LIVE_ACCUMULATORS.add(self)
 
     def __del__(self) -> None:
         hooks = getattr(self, "_hooks", None)
         if hooks is not None:
             hooks.remove()
-        for handle in getattr(self, "_published_hooks", ()):
-            handle.remove()
+        if hasattr(self, "_groups"):
+            # The finished gradients are views of buffers about to go: an accumulator built next over the same
+            # parameters would take them for new gradients and fold them again.
+            self._release_published()
         model_hook = getattr(self, "_model_hook", None)
         if model_hook is not None:
             model_hook.remove()
+        if getattr(self, "_attached", False) and not any(
+            other is not self and other._sync.same_model(self._sync) for other in list(_LIVE_ACCUMULATORS)
+        ):
+            self._sync.detach()  # DDP synchronizes its own backward again, unless a newer accumulator owns it
 
     # --- construction -----------------------------------------------------------------------------------
 
@@ -350,6 +379,36 @@ class GradAccumulator(torch.optim.Optimizer):
         return groups
 
     # --- public attributes ------------------------------------------------------------------------------
+
+    @property
+    def accumulation_steps(self) -> int | None:
+        """Micro-batches per optimizer step (None: driven windows). May be changed between micro-batches, to a
+        count above the open window's ``micro_step``."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int | None) -> None:
+        steps = _check_accumulation_steps(value)
+        if getattr(self, "_micro", None) is not None:
+            raise RuntimeError(
+                "accumulation_steps: backward() opened a micro-batch; change it after that micro-batch's step()"
+            )
+        micro_step = getattr(self, "micro_step", 0)
+        if steps is not None and steps <= micro_step:
+            raise ValueError(
+                f"accumulation_steps must be above the open window's micro_step ({micro_step}), got {steps}: the "
+                "window could never end; flush() it first"
+            )
+        self._accumulation_steps = steps
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global L2 norm the finished gradient is clipped to (None: no clipping); may be changed any time."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = _check_max_norm(value)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -433,8 +492,10 @@ class GradAccumulator(torch.optim.Optimizer):
         managed parameters are released as they are folded, so ``p.grad`` is None afterwards. With
         ``create_graph=True`` the gradients' values are folded (their graphs are dropped).
 
-        If backward fails after gradients were folded, the open window cannot be separated from the partial
-        micro-batch: it is discarded (``micro_step`` back to 0) and the error is raised.
+        If backward fails after this call folded gradients, the open window cannot be separated from the partial
+        micro-batch: it is discarded (``micro_step`` back to 0) and the error is raised. If it fails before folding
+        anything (autograd refused the graph, say), the gradients it left are dropped and the window, with what
+        earlier ``backward`` calls of the micro-batch folded, is as it was.
 
         Args:
             loss: the micro-batch's loss (mean-reduced as usual; never divided by N). With ``grad_scaler``
@@ -466,12 +527,14 @@ class GradAccumulator(torch.optim.Optimizer):
                 "reduced across ranks as they are folded): sum the losses and call backward() once"
             )
         self._check_lr_unchanged()
+        self._check_published_unchanged()  # before _release_published() drops them
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         if micro is None and self._sync.weight_in_loss:
             # FSDP2 sums the ranks' gradients during backward: the weight must be in the loss already. Rounded to
-            # the loss's dtype, it is the weight counted in the window's sum too.
+            # the loss's dtype (the dtype backward carries it in), it is the weight counted in the window's sum too.
             loss_dtype = loss.dtype if loss.is_floating_point() else torch.float32
+            bad = self._check_weight_fits_loss(weight, w, bad, loss_dtype)
             w = w.to(loss_dtype).to(torch.float64)
             loss = loss * w.to(loss_dtype)
         elif micro is not None and self._sync.weight_in_loss:
@@ -482,6 +545,8 @@ class GradAccumulator(torch.optim.Optimizer):
             micro = self._open_micro_batch(weight, w, bad, end_window)
         elif end_window:
             micro.ends_window = True
+        # What p.grad held before this call (usually None): restored if the call fails before folding anything.
+        held_before = [[_grad_and_version(param) for param in group.params] for group in self._groups]
         self._sync.before_backward(micro.ends_window)
         self._hooks.start()
         micro.folded_in_call = False
@@ -493,14 +558,57 @@ class GradAccumulator(torch.optim.Optimizer):
             self._hooks.stop()
             self._fold_held_buckets(self._held_grads())
         except BaseException as error:
-            self._hooks.stop()
-            if micro.folded_in_call or micro.folded:
+            self._hooks.stop(learn=False)
+            if micro.folded_in_call:
+                # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window.
                 self._discard_window()
                 _add_note(error, "gafused: the open accumulation window was discarded (micro_step is 0 again)")
-            elif opened:
-                self._micro = None
+            else:
+                # Nothing of this call was folded: drop the gradients it left behind, so the window (and the open
+                # micro-batch, if an earlier backward() folded into it) is exactly as before the call.
+                changed = self._restore_grads(held_before)
+                if changed:
+                    _add_note(
+                        error,
+                        f"gafused: {changed} gradient(s) held from an earlier loss.backward() were added to in place "
+                        "by the failed call and were dropped",
+                    )
+                if opened:
+                    self._micro = None
             raise
         micro.folded = micro.folded or micro.folded_in_call
+
+    def _check_weight_fits_loss(
+        self, given: Any, w: torch.Tensor, bad: torch.Tensor | None, loss_dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """With the weight in the loss (FSDP2), it must be finite in the loss's dtype, which backward carries it
+        in (float16: up to 65504). A host weight is refused here; a device weight or'ed into its device flag."""
+        top = torch.finfo(loss_dtype).max
+        if top >= self._weight_range[1]:
+            return bad
+        value = _host_weight(given)
+        if value is None:
+            over = w > top
+            return over if bad is None else bad | over
+        if value > top:
+            raise ValueError(
+                f"weight: with an FSDP2 model the weight multiplies the loss, and {given!r} does not fit the loss's "
+                f"{loss_dtype} (largest {top:g}); compute the loss in float32 (loss.float()) or rescale the weights"
+            )
+        return bad
+
+    def _restore_grads(self, held_before: list[list[tuple[torch.Tensor | None, int]]]) -> int:
+        """Put back the ``p.grad`` a failed backward() found; returns how many held gradients it had changed in
+        place (those are dropped: their earlier value is gone)."""
+        changed = 0
+        for group, saved in zip(self._groups, held_before, strict=True):
+            for param, (grad, version) in zip(group.params, saved, strict=True):
+                if param.grad is not grad:
+                    param.grad = grad
+                elif grad is not None and grad._version != version:
+                    param.grad = None
+                    changed += 1
+        return changed
 
     @torch._disable_dynamo  # the window's state machine: one graph break, never traced (module docstring)
     def step(
@@ -526,10 +634,11 @@ class GradAccumulator(torch.optim.Optimizer):
                 ``step()`` can be called again without it.
             weight: this micro-batch's weight (a sample or token count) for the ``loss.backward()`` loop, a
                 non-negative finite number (Python or NumPy) or a 0-d tensor (default 1), 0 or a normal number of
-                the accumulation dtype (float32: 1.2e-38 to 3.4e38); refused after
-                ``backward()``, which takes it. Keyword only. A tensor stays on its device: no host sync. A CPU
-                tensor or number is checked here; a device tensor is checked on the device and a bad value raises
-                at the end of the window (where the one host sync of the step happens), discarding that window.
+                the accumulation dtype (float32: 1.2e-38 to 3.4e38), also once divided by ``grad_scaler``'s scale
+                (checked on the device, like a device tensor); refused after ``backward()``, which takes it.
+                Keyword only. A tensor stays on its device: no host sync. A CPU tensor or number is checked here; a
+                device tensor is checked on the device and a bad value raises at the end of the window (where the
+                one host sync of the step happens), discarding that window.
             end_window: this micro-batch is the window's last, whatever ``accumulation_steps`` says: the window is
                 finished now (a framework's sync step, the partial last window of an epoch).
 
@@ -707,7 +816,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if first:
             self._start_window()
         weight_sum = w if first else self._weight_sum + w
-        fold_weight = self._fold_weight(w)
+        fold_weight, bad = self._fold_weight(w, bad)
         # Across ranks the window is scaled once its buckets are summed: at step(), not while folding.
         scale = self._window_scale(weight_sum) if last and not self._global else None
         self._reducing = last and self._sync.reduces_buckets
@@ -721,14 +830,20 @@ class GradAccumulator(torch.optim.Optimizer):
         )
         return self._micro
 
-    def _fold_weight(self, w: torch.Tensor) -> torch.Tensor:
+    def _fold_weight(self, w: torch.Tensor, bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A micro-batch's fold weight: ``w`` (or, when the weight is in the loss, FSDP's divide factor), times
-        1 / loss scale."""
+        1 / loss scale; and ``bad``, or'ed on the device with whether that product left the accumulation dtype's
+        normal range (a weight checked on the host can still underflow once divided by the loss scale)."""
         if self._sync.weight_in_loss:
             w = torch.full_like(w, self._sync.fold_factor)
         if self._inv_loss_scale is None and self.grad_scaler is not None:  # a window resumed from a checkpoint
             self._inv_loss_scale = self._read_inv_loss_scale()
-        return w if self._inv_loss_scale is None else w * self._inv_loss_scale
+        if self._inv_loss_scale is None:
+            return w, bad
+        fold = w * self._inv_loss_scale
+        tiny, top, _ = self._weight_range
+        outside = ~((fold == 0) | ((fold >= tiny) & (fold <= top)))
+        return fold, outside if bad is None else bad | outside
 
     def on_bucket_ready(self, group_index: int, bucket_index: int) -> None:
         """Called by the backward hooks when every gradient of a bucket exists: fold it and release them."""
@@ -813,9 +928,9 @@ class GradAccumulator(torch.optim.Optimizer):
         first = self.micro_step == 0
         if first:
             self._start_window()
-        self._record_bad_weight(bad)
         weight_sum = w if first else self._weight_sum + w
-        fold_weight = self._fold_weight(w)
+        fold_weight, bad = self._fold_weight(w, bad)
+        self._record_bad_weight(bad)
         results = []
         for group, group_grads in zip(self._groups, grads, strict=True):
             group_weight = fold_weight.to(group.buffer.device, non_blocking=True)
@@ -991,6 +1106,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
         A ``p.grad`` that is still the view an inner step was handed is not a new gradient: it counts as None.
         """
+        self._check_published_unchanged()
         held = []
         for group in self._groups:
             grads = [param.grad for param in group.params]
@@ -1000,6 +1116,24 @@ class GradAccumulator(torch.optim.Optimizer):
                 grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
         return held
+
+    def _check_published_unchanged(self) -> None:
+        """Refuse a finished gradient handed to the inner step that was changed in place since: a backward added
+        to it (its parameter did not require grad when it was handed out, so no hook released it first). It holds
+        the old window's gradient plus the new one, which cannot be separated."""
+        for group in self._groups:
+            versions = group.published_versions
+            if versions is None:
+                continue
+            for index, (param, version) in enumerate(zip(group.params, versions, strict=True)):
+                grad = param.grad
+                if version is not None and grad is group.published[index] and grad._version != version:
+                    raise RuntimeError(
+                        f"{group.names[index]}: p.grad is the finished gradient the last optimizer step was given, "
+                        "changed in place since (a backward added to it, the parameter not requiring grad when "
+                        "it was handed out); call zero_grad() after each optimizer step, before unfreezing a "
+                        "parameter, and run this micro-batch's backward again"
+                    )
 
     def _release_published(self) -> None:
         """Drop the finished gradients handed to the last inner step, so no backward adds into the buffer."""
@@ -1012,9 +1146,11 @@ class GradAccumulator(torch.optim.Optimizer):
                     if _is_published(group, index, param.grad):
                         param.grad = None
                 group.published = None
+                group.published_versions = None
             group.finished = None
 
     def _start_window(self) -> None:
+        self._sync.window_started()
         for group in self._groups:
             group.had_grad = [False] * len(group.params)
         self._release_published()
@@ -1083,7 +1219,8 @@ class GradAccumulator(torch.optim.Optimizer):
             self._discard_window()
             raise ValueError(
                 "weight: a tensor weight given in this window was negative, nan, inf or outside the accumulation "
-                "dtype's normal range; the window was discarded and the inner optimizer did not step"
+                "dtype's normal range, or a weight divided by the loss scale was; the window was discarded and the "
+                "inner optimizer did not step"
             )
         if nonfinite:
             self._skip_window(found_inf)
@@ -1091,7 +1228,9 @@ class GradAccumulator(torch.optim.Optimizer):
         for group in self._groups:
             self._publish_grads(group, coef)
         if may_overflow and self._cast_overflowed():  # rare: a second sync, only when the norm allows overflow
-            self._skip_window(torch.ones_like(found_inf))
+            # The finished gradient is unscaled already: a smaller loss scale would not shrink it, so the loss
+            # scaler is left as it is.
+            self._skip_window(None)
             return
         try:
             for pre_hook in list(self._optimizer_step_pre_hooks.values()):
@@ -1111,6 +1250,9 @@ class GradAccumulator(torch.optim.Optimizer):
         self.micro_step = 0
         for post_hook in list(self._optimizer_step_post_hooks.values()):
             post_hook(self, (), {})
+        for group in self._groups:
+            if group.published is not None:
+                group.published_versions = [None if view is None else view._version for view in group.published]
 
     def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor | None:
         """The factor ``clip_grad_norm_`` would scale the finished gradient by, or None without clipping."""
@@ -1129,16 +1271,21 @@ class GradAccumulator(torch.optim.Optimizer):
     def _cast_overflowed(self) -> bool:
         """Whether a finished gradient cast to its parameters' dtype holds inf (its fp32 value was finite): the
         window is then skipped as a non-finite one. Collective with FSDP2, whose ranks hold different shards."""
+        # Segment by segment: the cast copy's alignment padding is never written (rare path: one launch each).
         flags = [
-            torch.isinf(group.finished).any().to(self._home) for group in self._groups if group.finished is not None
+            torch.isinf(group.finished.narrow(0, offset, numel)).any().to(self._home)
+            for group in self._groups
+            if group.finished is not None
+            for offset, numel in zip(group.buffer.offsets, group.buffer.numels, strict=True)
         ]
         overflow = torch.stack(flags).any()
         _, overflow = self._sync.reduce_norm(torch.zeros((), dtype=torch.float64, device=self._home), overflow)
         return bool(overflow)
 
-    def _skip_window(self, found_inf: torch.Tensor) -> None:
-        """Skip the inner step of a window whose finished gradient is not finite; the loss scaler backs off."""
-        if self.grad_scaler is not None:
+    def _skip_window(self, found_inf: torch.Tensor | None) -> None:
+        """Skip the inner step of a window whose finished gradient is not finite; the loss scaler backs off
+        (``found_inf`` None: it is left as it is)."""
+        if self.grad_scaler is not None and found_inf is not None:
             self._update_grad_scaler(found_inf)
         self.skipped_steps += 1
         self._discard_window()
@@ -1215,6 +1362,7 @@ class GradAccumulator(torch.optim.Optimizer):
             if view is not None and param.requires_grad:
                 self._published_hooks.append(param.register_hook(_release_before_accumulation(param, view)))
         group.published = published
+        group.published_versions = None
 
     def _discard_window(self) -> None:
         self._drop_reductions()
@@ -1268,6 +1416,7 @@ class GradAccumulator(torch.optim.Optimizer):
             "inv_loss_scale": None if self._inv_loss_scale is None else self._inv_loss_scale.clone(),
             "window_lrs": None if self._window_lrs is None else list(self._window_lrs),
             "world_size": self._sync.world_size,
+            "rank": self._sync.rank,
             "buffers": [],
         }
         for group in self._groups:
@@ -1315,12 +1464,12 @@ class GradAccumulator(torch.optim.Optimizer):
         micro_step = window["micro_step"]
         self.micro_step = micro_step
         self.skipped_steps = window["skipped_steps"]
-        self._weight_sum = restore(window["weight_sum"])
-        self._bad_weight = restore(window["bad_weight"])
+        self._weight_sum = restore(window.get("weight_sum"))
+        self._bad_weight = restore(window.get("bad_weight"))
         # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read
         # at the next fold, unscales them. The folded part of the buffer is unscaled already.
         self._inv_loss_scale = None
-        saved_lrs = window["window_lrs"]
+        saved_lrs = window.get("window_lrs")
         if saved_lrs is not None:
             # A device-tensor learning rate was recorded by identity, which means nothing in another accumulator:
             # the loaded optimizer's own tensor stands for it.
@@ -1379,13 +1528,20 @@ class GradAccumulator(torch.optim.Optimizer):
             if value is None:
                 if required:
                     raise field_error(name, f"a 0-d {dtype} tensor (the window is open at micro_step {micro_step})")
-            elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype:
-                raise field_error(name, f"None or a 0-d {dtype} tensor")
+            elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype or value.is_meta:
+                raise field_error(name, f"None or a 0-d {dtype} tensor holding data (not on the meta device)")
         world = window.get("world_size", 1)
         if open_window and world != self._sync.world_size:
             raise field_error(
                 "world_size",
                 f"{self._sync.world_size} (the open window holds this rank's part of a window of {world} ranks)",
+            )
+        rank = window.get("rank")  # absent from older checkpoints
+        if open_window and rank is not None and rank != self._sync.rank:
+            raise field_error(
+                "rank",
+                f"{self._sync.rank} (the open window holds rank {rank}'s part of the window: load each rank's own "
+                "checkpoint)",
             )
         lrs = window.get("window_lrs")
         if lrs is not None and (not isinstance(lrs, list) or len(lrs) != len(self.optimizer.param_groups)):
@@ -1413,10 +1569,11 @@ class GradAccumulator(torch.optim.Optimizer):
                     or segments.dim() != 1
                     or segments.numel() != total
                     or not segments.is_floating_point()
+                    or segments.is_meta
                 ):
                     raise ValueError(
-                        f"{where}['segments']: expected a flat floating-point tensor of {total} elements "
-                        f"(the window is open at micro_step {micro_step})"
+                        f"{where}['segments']: expected a flat floating-point tensor of {total} elements holding "
+                        f"data, not on the meta device (the window is open at micro_step {micro_step})"
                     )
         return window
 
@@ -1439,16 +1596,17 @@ def _same_weight(weight: Any, given: Any) -> bool:
     """Whether a later backward() of a micro-batch repeats the weight its first one gave."""
     if weight is given:
         return True
-
-    def host_value(value: Any) -> float | None:  # None for a device tensor: no comparison without a sync
-        if value is None:
-            return 1.0
-        if isinstance(value, torch.Tensor):
-            return float(value.item()) if value.device.type == "cpu" and value.dim() == 0 else None
-        return _real_number(value)
-
-    first, again = host_value(given), host_value(weight)
+    first, again = _host_weight(given), _host_weight(weight)
     return first is not None and first == again
+
+
+def _host_weight(value: Any) -> float | None:
+    """A weight's value if it is known on the host (None: 1), else None (a device tensor: no read without a sync)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.device.type == "cpu" and value.dim() == 0 else None
+    return _real_number(value)
 
 
 def _zeros_like_layout(bucket: FlatGradBuffer) -> FlatGradBuffer:
@@ -1456,6 +1614,11 @@ def _zeros_like_layout(bucket: FlatGradBuffer) -> FlatGradBuffer:
     copy = FlatGradBuffer(bucket.params, bucket.accum_dtype, bucket.alignment_bytes, bucket_bytes=1 << 62)
     assert copy.offsets == bucket.offsets and copy.numel == bucket.numel, "bucket layout not reproducible"
     return copy
+
+
+def _grad_and_version(param: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    grad = param.grad
+    return grad, 0 if grad is None else grad._version
 
 
 def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:

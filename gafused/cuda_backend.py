@@ -41,20 +41,27 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not 0 <= index < torch.cuda.device_count():
         return f"the cuda backend needs a visible CUDA device; {device} is not one of {torch.cuda.device_count()}"
     error = _kernel_image_error(index)
-    if error:
+    if error is None or error:
         major, minor = torch.cuda.get_device_capability(index)
+        device_name = f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor})"
+        problem = (
+            f"gafused._C was built by an older gafused: it cannot tell whether it holds code for {device_name}"
+            if error is None
+            else f"gafused._C was built without code for {device_name}: {error}"
+        )
         return (
-            f"gafused._C was built without code for {torch.cuda.get_device_name(index)} (compute capability "
-            f"{major}.{minor}): {error}; rebuild it for this GPU with TORCH_CUDA_ARCH_LIST={major}.{minor} "
+            f"{problem}; rebuild it for this GPU with TORCH_CUDA_ARCH_LIST={major}.{minor} "
             "pip install --no-build-isolation -e ."
         )
     return None
 
 
 @functools.cache
-def _kernel_image_error(index: int) -> str:
-    # Asked once per device: whether the build holds SASS for its architecture, or PTX it can compile.
-    return _C.kernel_image_error(index)
+def _kernel_image_error(index: int) -> str | None:
+    # Asked once per device: whether the build holds SASS for its architecture, or PTX it can compile ("" when it
+    # does). None: an extension built before it could answer (no kernel_image_error), which must be rebuilt.
+    check = getattr(_C, "kernel_image_error", None)
+    return None if check is None else check(index)
 
 
 def _stream(acc: torch.Tensor) -> int:

@@ -68,6 +68,7 @@ class Sync:
     shards = False
     group: Any = None
     world_size = 1
+    rank = 0
     name = "local"
 
     def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
@@ -98,6 +99,19 @@ class Sync:
         """Take over the wrapper's gradient synchronization (once the accumulator is built)."""
         return None
 
+    def detach(self) -> None:
+        """Hand the wrapper's gradient synchronization back as attach() found it (the accumulator is gone)."""
+        return None
+
+    def same_model(self, other: Sync) -> bool:
+        """Whether ``other`` synchronizes the same wrapped model."""
+        model = getattr(self, "_model", None)
+        return model is not None and model is getattr(other, "_model", None)
+
+    def window_started(self) -> None:
+        """A new window opens: read what the wrapper may have changed between windows."""
+        return None
+
     def window_ended(self) -> None:
         """A window's gradients were reduced across ranks."""
         return None
@@ -123,11 +137,21 @@ class DDPSync(Sync):
         self._model = model
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.reduce_dtype = reduce_dtype
+        self._attached = False
 
     def attach(self) -> None:
-        # Off for good: the window's micro-batches send nothing; DDP's no_sync() restores this value on exit.
+        # Off while the accumulator lives: the window's micro-batches send nothing; DDP's no_sync() restores this
+        # value on exit.
         self._model.require_backward_grad_sync = False
+        self._attached = True
+
+    def detach(self) -> None:
+        if self._attached:
+            # On, DDP's own setting outside no_sync() (which restores its saved value on exit anyway).
+            self._model.require_backward_grad_sync = True
+            self._attached = False
 
     def window_ended(self) -> None:
         # What a synchronized backward leaves behind in DDP: its next forward broadcasts rank 0's module buffers
@@ -182,21 +206,19 @@ class FSDPSync(Sync):
         self.mesh = meshes.pop()
         self.group = self.mesh.get_group()
         self.world_size = dist.get_world_size(self.group)
-        self.fold_factor = self._divide_factor(model)
+        self.rank = dist.get_rank(self.group)
+        self.fold_factor = self._divide_factor()
         self._dtensor = DTensor
         self._user_sync: list[tuple[Any, bool, bool]] = []  # FSDP param groups' sync flags before a last backward
 
-    def _divide_factor(self, model: torch.nn.Module) -> float:
-        """What FSDP divides the reduce-scattered sum by: its gradient divide factor, else the world size."""
-        from torch.distributed.fsdp import FSDPModule
+    def window_started(self) -> None:
+        # set_gradient_divide_factor() may have been called since the last window.
+        self.fold_factor = self._divide_factor()
 
+    def _divide_factor(self) -> float:
+        """What FSDP divides the reduce-scattered sum by: its gradient divide factor, else the world size."""
         factors = set()
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-            if param_group is None:
-                continue
+        for param_group in self._param_groups():
             if not hasattr(param_group, "gradient_divide_factor"):
                 raise NotImplementedError(
                     f"model: this torch ({torch.__version__}) does not expose FSDP2's gradient divide factor"

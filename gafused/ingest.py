@@ -7,6 +7,13 @@ Megatron-core use the same idea for their communication buckets). Counting is on
 that get no gradient, or a gradient twice in one backward (a parameter used inside and outside a reentrant
 checkpoint), are caught by the accumulator's pass over the parameters at the end of the backward call.
 
+How many gradients a bucket waits for is learned from the backward before (as DDP's static graph does): a
+parameter frozen after the accumulator was built, or one the forward does not use, would otherwise keep its
+bucket waiting to the end of backward, with every gradient of the bucket alive. A bucket whose parameters are
+used in some backward calls and not in others (more gradients land than the last call gave) waits for all its
+hooked parameters from then on; the one time it is handed over early, the gradients that land after it are
+folded by the end-of-backward pass, exactly, at the cost of their memory.
+
 The hooks hold the accumulator weakly and do nothing outside ``GradAccumulator.backward``.
 """
 
@@ -38,26 +45,39 @@ class BucketHooks:
     ) -> None:
         owner_ref = weakref.ref(owner)
         self.active = False
-        self._expected: list[list[int]] = []
+        self._call = 0  # numbers the backward calls, to count each parameter once per call
+        self._full: list[list[int]] = []  # per bucket: its hooked parameters
+        self._expected: list[list[int]] = []  # per bucket: the gradients this call waits for
         self._remaining: list[list[int]] = []
+        self._landed: list[list[int]] = []  # per bucket: distinct parameters whose gradient landed in this call
+        self._variable: list[list[bool]] = []  # per bucket: its parameters' use has changed between calls
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if params is None:
             params = [buffer.params for buffer in buffers]
         for group_index, (buffer, targets) in enumerate(zip(buffers, params, strict=True)):
-            expected = []
+            full = []
             for bucket_index, indices in enumerate(buffer.bucket_ranges):
                 hooked = [targets[i] for i in indices if targets[i].requires_grad]
-                expected.append(len(hooked))
+                full.append(len(hooked))
                 for param in hooked:
                     hook = self._make_hook(owner_ref, group_index, bucket_index)
                     self._handles.append(param.register_post_accumulate_grad_hook(hook))
-            self._expected.append(expected)
-            self._remaining.append(list(expected))
+            self._full.append(full)
+            self._expected.append(list(full))
+            self._remaining.append(list(full))
+            self._landed.append([0] * len(full))
+            self._variable.append([False] * len(full))
 
     def _make_hook(self, owner_ref: weakref.ref, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
+        last_call = -1
+
         def hook(param: torch.Tensor) -> None:
+            nonlocal last_call
             if not self.active:
                 return
+            if last_call != self._call:
+                last_call = self._call
+                self._landed[group_index][bucket_index] += 1
             counts = self._remaining[group_index]
             counts[bucket_index] -= 1
             if counts[bucket_index] == 0:
@@ -69,12 +89,31 @@ class BucketHooks:
 
     def start(self) -> None:
         """Arm the counters for one backward call."""
-        for remaining, expected in zip(self._remaining, self._expected, strict=True):
+        self._call += 1
+        for remaining, expected, landed in zip(self._remaining, self._expected, self._landed, strict=True):
             remaining[:] = expected
+            landed[:] = [0] * len(landed)
         self.active = True
 
-    def stop(self) -> None:
+    def stop(self, learn: bool = True) -> None:
+        """End a backward call: learn how many gradients each bucket waits for in the next one (not from a call
+        that failed midway)."""
+        if not self.active:
+            return
         self.active = False
+        if not learn:
+            return
+        for full, expected, landed, variable in zip(
+            self._full, self._expected, self._landed, self._variable, strict=True
+        ):
+            for b, count in enumerate(landed):
+                if variable[b] or count == 0:
+                    continue  # no gradient at all says nothing (another loss of the micro-batch, say)
+                if count > expected[b]:  # more than the last call gave: handed over early once, never again
+                    variable[b] = True
+                    expected[b] = full[b]
+                else:
+                    expected[b] = count
 
     def remove(self) -> None:
         """Take every hook off its parameter."""

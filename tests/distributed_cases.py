@@ -13,6 +13,7 @@ the wire. ``truth()`` computes the same training in float64 on one process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import warnings
@@ -508,6 +509,51 @@ def _misuse(rank: int) -> dict[str, str]:
     except RuntimeError as error:
         said["fsdp no_sync end at step"] = str(error)
     fsdp.set_requires_gradient_sync(True)
+    accumulator = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
+    said["ddp sync while the accumulator lives"] = str(ddp.require_backward_grad_sync)
+    del accumulator
+    gc.collect()
+    said["ddp sync after the accumulator is dropped"] = str(ddp.require_backward_grad_sync)
+    # A mid-window checkpoint holds this rank's part: loading another rank's is refused.
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
+    opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    state = opt.state_dict()
+    said["checkpoint rank"] = str(state["gafused"]["rank"])
+    state["gafused"]["rank"] = 1 - rank
+    try:
+        opt.load_state_dict(state)
+        said["other rank's checkpoint"] = "no error"
+    except ValueError as error:
+        said["other rank's checkpoint"] = str(error)
+    opt.zero_grad()
+    del opt
+    said.update(_fsdp_weight_cases(rank, x, y))
+    return said
+
+
+def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
+    """FSDP2 carries the weight in the loss: a weight a float16 loss cannot hold is refused, and a gradient divide
+    factor set between windows is the one folded with (same data, lr 0: the same finished gradient)."""
+    import gafused
+
+    said: dict[str, str] = {}
+    fsdp = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=0.0), 1, model=fsdp)
+    try:
+        opt.backward(token_losses(fsdp, x, y).mean().half(), weight=1e5)
+        said["fsdp fp16 loss weight"] = "no error"
+    except ValueError as error:
+        said["fsdp fp16 loss weight"] = str(error)
+    said["fsdp fp16 loss weight micro_step"] = str(opt.micro_step)
+    norms = []
+    for factor in (None, 1.0, float(WORLD) * 4):
+        if factor is not None:
+            fsdp.set_gradient_divide_factor(factor)
+        opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+        opt.step()
+        norms.append(repr(float(opt.grad_norm)))
+    said["fsdp norms over divide factors"] = " ".join(norms)
     return said
 
 

@@ -285,7 +285,8 @@ def test_finished_gradient_that_overflows_the_parameter_dtype_skips_the_step(bac
     if max_grad_norm is None:
         assert not opt.stepped and opt.skipped_steps == 1 and opt.micro_step == 0
         assert torch.equal(param.detach(), torch.zeros(4, dtype=torch.float16))
-        assert scaler.get_scale() == 0.5  # backed off, as for inf
+        # Left as it was: the finished gradient is unscaled, a smaller loss scale would not make it fit fp16.
+        assert scaler.get_scale() == 1.0 and int(scaler._growth_tracker) == 0
         assert param.grad is None
     else:
         assert opt.stepped and opt.skipped_steps == 0
@@ -984,3 +985,76 @@ def test_device_tensor_learning_rate_does_not_warn_after_a_mid_window_checkpoint
         warnings.simplefilter("error")
         _micro_step(resumed, model, *batches[1], "backward")
     assert resumed.stepped
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
+    """A weight inside float32's normal range on its own can leave it once the loss scale divides it: the fold
+    weight would lose its precision to underflow, so the window is refused like a bad device weight."""
+    model = _model(torch.float32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _data([3], dtype=torch.float32)[0]
+    tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
+    with pytest.raises(ValueError, match="divided by the loss scale"):
+        loss = _loss(model, x, y)
+        if loop == "backward":
+            opt.backward(loss, weight=tiny)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            opt.step(weight=tiny)
+    assert opt.micro_step == 0 and not opt.stepped and scaler.get_scale() == 2.0**20
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.backward(_loss(model, x, y), weight=3.0)  # a weight that fits still folds
+    opt.step()
+    assert opt.stepped
+
+
+def test_cast_overflow_check_ignores_the_cast_copys_alignment_padding(monkeypatch):
+    """The fp16 copy of the finished gradient is written segment by segment: whatever its alignment padding
+    holds (here inf) must not count as an overflow."""
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16)) for _ in range(2)]
+    opt = GradAccumulator(torch.optim.SGD(params, lr=1.0), 1, backend="reference", normalization="sum")
+    assert opt.buffers[0].numel > sum(opt.buffers[0].numels)  # there is padding
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(math.inf) if out.dtype == torch.float16 else out
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    coefficients = torch.tensor([30000.0, -30000.0, 30000.0])  # every value fits fp16, the norm (5.2e4 * 2) not
+    (params[0].float() * coefficients).sum().backward()
+    (params[1].float() * coefficients).sum().backward()
+    opt.step()
+    assert opt.stepped and opt.skipped_steps == 0
+    for param in params:
+        assert torch.equal(param.detach(), -coefficients.to(torch.float16))
+
+
+def test_accumulation_steps_and_max_grad_norm_are_checked_when_changed_later():
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 4, max_grad_norm=1.0)
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="accumulation_steps"):
+            opt.accumulation_steps = bad
+    for bad in (0.0, -1.0, math.nan, math.inf, "1"):
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            opt.max_grad_norm = bad
+    assert opt.accumulation_steps == 4 and opt.max_grad_norm == 1.0  # refused changes changed nothing
+    x, y = _data([3], seed=4)[0]
+    for _ in range(2):
+        _micro_step(opt, model, x, y, "step")
+    assert opt.micro_step == 2
+    with pytest.raises(ValueError, match=r"above the open window's micro_step \(2\)"):
+        opt.accumulation_steps = 2  # the window could never end
+    opt.backward(_loss(model, x, y))
+    with pytest.raises(RuntimeError, match="opened a micro-batch"):
+        opt.accumulation_steps = 5
+    opt.step()
+    opt.accumulation_steps = 4  # allowed: the fourth step() ends this window
+    opt.max_grad_norm = None
+    _micro_step(opt, model, x, y, "step")
+    assert opt.stepped

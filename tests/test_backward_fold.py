@@ -79,6 +79,34 @@ def test_buckets_are_folded_and_released_while_backward_runs(backend, monkeypatc
     assert opt.stepped
 
 
+def test_a_parameter_frozen_later_does_not_hold_its_bucket_to_the_end_of_backward(backend):
+    """Bucket gradient counts are learned from the backward before: once a parameter is frozen after the
+    accumulator was built, its bucket is folded while backward runs again (not at its end, with every gradient of
+    the bucket alive); unfrozen again, the bucket waits for it. Exact against the step-time loop throughout."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
+    )
+    ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].bias.grad is None))
+    batches = _batches(9, seed=4)
+    for index, x in enumerate(batches):
+        frozen = 2 <= index < 6
+        model[6].weight.requires_grad_(not frozen)
+        reference[6].weight.requires_grad_(not frozen)
+        opt.backward(_loss(model, x), weight=float(x.shape[0]))
+        opt.step()
+        _loss(reference, x).backward()
+        ref_opt.step(weight=float(x.shape[0]))
+        ref_opt.zero_grad()
+    # Folded during backward except right after a change: the first frozen call (index 2, the bucket waits for
+    # the frozen weight) and the first unfrozen one (index 6, handed over early once, completed at the end).
+    assert seen == [True, True, False, True, True, True, True, True, True]
+    assert opt.stepped
+    _assert_same(model, reference)
+
+
 def _counting(function, log, name):
     def wrapper(*args, **kwargs):
         log.append(name)

@@ -8,6 +8,8 @@ machine (CUDA present, Triton kernels compiled rather than interpreted, the cuda
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import types
 
 import pytest
@@ -67,6 +69,62 @@ def test_auto_falls_back_to_foreach_with_a_warning_on_rocm(cuda_machine, monkeyp
     assert reason is not None and "ROCm" in reason
     with pytest.warns(RuntimeWarning, match="foreach backend"):
         assert ops.resolve_backend("auto", CUDA) == "foreach"
+
+
+def _cuda_backend_over(extension: types.ModuleType, monkeypatch) -> types.ModuleType:
+    """gafused.cuda_backend imported anew over a stand-in for the compiled gafused._C (registered nowhere else), and
+    this GPU machine's answers: one visible device, an H100 (compute capability 9.0), a CUDA build of torch."""
+    monkeypatch.setitem(sys.modules, "gafused._C", extension)
+    monkeypatch.setattr(gafused, "_C", extension, raising=False)
+    spec = importlib.util.find_spec("gafused.cuda_backend")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(ops, "_loaded", {**ops._loaded, "cuda": module})
+    monkeypatch.setattr(ops, "_import_errors", {k: v for k, v in ops._import_errors.items() if k != "cuda"})
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    return module
+
+
+def _extension(**functions) -> types.ModuleType:
+    extension = types.ModuleType("gafused._C")
+    for name in ("fold_", "fold_finish_", "sum_of_squares", "scale_"):  # never called while a backend is chosen
+        setattr(extension, name, lambda *args, name=name: pytest.fail(f"{name} ran"))
+    for name, function in functions.items():
+        setattr(extension, name, function)
+    return extension
+
+
+def test_a_build_without_code_for_the_gpu_is_reported_with_the_rebuild_command(cuda_machine, monkeypatch):
+    """What the extension says of the device decides: no kernel image for it, and the backend names the rebuild."""
+    answers = {0: "cudaErrorNoKernelImageForDevice: no kernel image is available for execution on the device"}
+    cuda_module = _cuda_backend_over(_extension(kernel_image_error=answers.get), monkeypatch)
+    reason = cuda_module.unavailable_reason(CUDA)
+    assert reason.startswith("gafused._C was built without code for NVIDIA H100 80GB HBM3 (compute capability 9.0)")
+    assert answers[0] in reason and "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation -e ." in reason
+    assert ops.resolve_backend("auto", CUDA) == "triton"
+    answers[0] = ""  # a build with code for it (asked again by a fresh import: the answer is cached per device)
+    assert _cuda_backend_over(_extension(kernel_image_error=answers.get), monkeypatch).unavailable_reason(CUDA) is None
+    assert ops.resolve_backend("auto", CUDA) == "cuda"
+
+
+def test_an_older_build_is_reported_with_the_rebuild_command(cuda_machine, monkeypatch):
+    """An extension built before it could say whether it holds code for the device (no kernel_image_error): the
+    backend reports itself unavailable with the command that rebuilds it, instead of an AttributeError; "auto"
+    takes the next backend, and asking for "cuda" by name raises with the reason."""
+    cuda_module = _cuda_backend_over(_extension(), monkeypatch)
+    reason = cuda_module.unavailable_reason(CUDA)
+    assert reason.startswith("gafused._C was built by an older gafused"), reason
+    assert "NVIDIA H100 80GB HBM3 (compute capability 9.0)" in reason
+    assert "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation -e ." in reason
+    assert ops.resolve_backend("auto", CUDA) == "triton"
+    assert gafused.available_backends(CUDA) == ["reference", "foreach", "triton"]
+    with pytest.raises(RuntimeError, match="built by an older gafused") as info:
+        ops.resolve_backend("cuda", CUDA)
+    assert ops.INSTALL_HINTS["cuda"] in str(info.value)
 
 
 def test_auto_on_this_machine():

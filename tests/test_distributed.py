@@ -237,6 +237,14 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "end_window=True" in said["fsdp no_sync end at step"]
         assert "cuda" in said["refused construction"]
         assert said["ddp sync after a refused construction"] == "True"  # a refused construction changed nothing
+        assert said["ddp sync while the accumulator lives"] == "False"
+        assert said["ddp sync after the accumulator is dropped"] == "True"  # DDP synchronizes again on its own
+        assert said["checkpoint rank"] == str(rank)
+        assert "['rank']" in said["other rank's checkpoint"] and "each rank's own" in said["other rank's checkpoint"]
+        assert "float16" in said["fsdp fp16 loss weight"] and "loss.float()" in said["fsdp fp16 loss weight"]
+        assert said["fsdp fp16 loss weight micro_step"] == "0"
+        norms = said["fsdp norms over divide factors"].split()
+        assert len(norms) == 3 and len(set(norms)) == 1, norms  # the factor is undone whatever it is
 
 
 def test_no_warning_without_distributed() -> None:
@@ -259,6 +267,13 @@ def test_fsdp1_is_refused() -> None:
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # the type is what is refused
     with pytest.raises(TypeError, match="FSDP1"):
         gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=fsdp1)
+
+
+def test_float16_reduce_dtype_is_refused() -> None:
+    """A bucket holds sum(w * g) over the window: float16's range (65504) is too small for token-count weights."""
+    model = cases.make_model()
+    with pytest.raises(ValueError, match="float16's range"):
+        gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_dtype=torch.float16)
 
 
 def test_reduce_dtype_needs_a_model() -> None:

@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,23 +271,47 @@ def test_backward_refuses_unknown_arguments(fresh_accelerate) -> None:
     assert optimizer.micro_step == 0 and all(p.grad is None for p in model.parameters())
 
 
-def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
-    """gradient_accumulation_steps=2 over 5 batches: inner steps after micro-batches 2, 4 and 5 (end of the data),
-    each on the weighted mean of its window, and the scheduler steps once per window."""
-    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=5)
-    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+def _reference_windows(
+    initial: dict[str, torch.Tensor], batches: list[torch.Tensor], windows: list[list[int]], lrs: list[float]
+) -> torch.nn.Linear:
+    """Plain float64 PyTorch: one SGD step per window, at its learning rate, on the weighted mean of its micro-batches'
+    losses (micro-batch ``i`` weighs ``1 + i``)."""
     reference = torch.nn.Linear(3, 2).double()
-    reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
-    stepped, batches = [], list(loader)
-    windows = [[0, 1], [2, 3], [4]]
-    for window_index, window in enumerate(windows):
+    reference.load_state_dict(initial)
+    for window, lr in zip(windows, lrs, strict=True):
         reference.zero_grad()
         weights = [1.0 + i for i in window]
         total = sum(w * reference(batches[i].double()).square().mean() for w, i in zip(weights, window, strict=True))
         (total / sum(weights)).backward()
         with torch.no_grad():
             for p in reference.parameters():
-                p -= 0.1 / (1 + window_index) * p.grad
+                p -= lr * p.grad
+    return reference
+
+
+def _assert_matches(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.double(), r, rtol=1e-6, atol=1e-7)  # fp32 rounding of a 3x2 linear model
+
+
+def _micro_batch(accelerator, model, optimizer, batch: torch.Tensor, index: int, loop: str) -> None:
+    """One micro-batch's backward and step, through ``accelerator.backward`` or ``loss.backward()``."""
+    loss = model(batch).square().mean()
+    if loop == "accelerator.backward":
+        accelerator.backward(loss, weight=1.0 + index)
+        optimizer.step()
+    else:
+        loss.backward()
+        optimizer.step(weight=1.0 + index)
+
+
+def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
+    """gradient_accumulation_steps=2 over 5 batches: inner steps after micro-batches 2, 4 and 5 (end of the data),
+    each on the weighted mean of its window, and the scheduler steps once per window."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=5)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    stepped, batches = [], list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):
             accelerator.backward(model(batch).square().mean(), weight=1.0 + index)
@@ -296,8 +321,100 @@ def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
         stepped.append(optimizer.stepped)
     assert stepped == [False, True, False, True, True]
     assert scheduler.scheduler.last_epoch == 3
-    for p, r in zip(accelerator.unwrap_model(model).parameters(), reference.parameters(), strict=True):
-        assert torch.allclose(p.double(), r, rtol=1e-6, atol=1e-7)  # fp32 rounding of a 3x2 linear model
+    reference = _reference_windows(initial, batches, [[0, 1], [2, 3], [4]], [0.1 / (1 + w) for w in range(3)])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+@pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])
+def test_training_goes_on_after_a_failed_step(fresh_accelerate, loop: str) -> None:
+    """The inner optimizer raises at the second window's sync step: gafused discards that window and the error
+    reaches the loop, which goes on with the next batch; the next window folds and steps as plain PyTorch does."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
+    calls = []
+
+    def fail_once(inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("inner step failed")
+
+    optimizer.optimizer.register_step_pre_hook(fail_once)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    stepped, failed, batches = [], [], list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            try:
+                _micro_batch(accelerator, model, optimizer, batch, index, loop)
+            except RuntimeError as error:
+                assert "inner step failed" in str(error)
+                failed.append((index, optimizer.micro_step))
+                continue  # neither the scheduler nor zero_grad for the failed window
+            scheduler.step()
+            optimizer.zero_grad()
+            stepped.append(optimizer.stepped)
+    assert failed == [(3, 0)]  # the second window's sync step; its window was discarded
+    assert stepped == [False, True, False, False, True]
+    assert optimizer.micro_step == 0 and scheduler.scheduler.last_epoch == 2
+    reference = _reference_windows(initial, batches, [[0, 1], [4, 5]], [0.1, 0.1 / 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+@pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])
+@pytest.mark.parametrize("empty", [2, 3])
+def test_a_block_without_backward_changes_nothing(fresh_accelerate, loop: str, empty: int, zero_grad: bool) -> None:
+    """An accumulate() block that runs no backward and no step (a batch the loop skips) adds nothing: at a sync step
+    (micro-batch 3) the window goes on to the next one, as Accelerate's own p.grad does; every later window folds
+    and steps as plain PyTorch does. Without zero_grad(), the finished gradient the inner step was handed is still
+    in p.grad after the sync step: it is not a gradient waiting for a step()."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    batches = list(loader)
+    windows, window = [], []
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            if index == empty:
+                continue
+            _micro_batch(accelerator, model, optimizer, batch, index, loop)
+            scheduler.step()
+            if zero_grad:
+                optimizer.zero_grad()
+        window.append(index)
+        if optimizer.stepped:
+            windows.append(window)
+            window = []
+    expected = [[0, 1], [3], [4, 5]] if empty == 2 else [[0, 1], [2, 4, 5]]
+    assert windows == expected and window == [] and optimizer.micro_step == 0
+    assert scheduler.scheduler.last_epoch == len(expected)
+    reference = _reference_windows(initial, batches, expected, [0.1 / (1 + w) for w in range(len(expected))])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+def test_a_refused_step_changes_nothing(fresh_accelerate) -> None:
+    """A step() refused for its weight leaves the micro-batch's gradients where they were: the loop may drop them
+    (zero_grad) and go on, and the next windows fold and step as plain PyTorch does without that micro-batch."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            model(batch).square().mean().backward()
+            if index == 2:
+                grads = [p.grad.clone() for p in model.parameters()]
+                with pytest.raises(ValueError, match="weight"):
+                    optimizer.step(weight=-1.0)
+                assert optimizer.micro_step == 0
+                assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+                optimizer.zero_grad()  # the loop drops this micro-batch
+                continue
+            optimizer.step(weight=1.0 + index)
+            scheduler.step()
+            optimizer.zero_grad()
+    assert optimizer.micro_step == 0 and scheduler.scheduler.last_epoch == 3
+    reference = _reference_windows(initial, batches, [[0, 1], [3], [4, 5]], [0.1, 0.1 / 2, 0.1 / 3])
+    _assert_matches(accelerator.unwrap_model(model), reference)
 
 
 @pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])

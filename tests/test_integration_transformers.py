@@ -214,6 +214,142 @@ def test_a_head_whose_loss_ignores_the_item_count_is_averaged_not_summed(tmp_pat
     assert error < 1e-5, error
 
 
+class _Masked(torch.utils.data.Dataset):
+    """Sequences of 4 to 15 tokens with 1 to 9 of them masked (labels -100 elsewhere), for a masked-LM head: the
+    micro-batches' loss tokens differ by up to 9x, so the mean of their means is far from their token mean."""
+
+    def __init__(self, count: int = 4) -> None:
+        generator = torch.Generator().manual_seed(5)
+        self.items = []
+        for index in range(count):
+            tokens = torch.randint(3, cases.VOCAB, (4 + (5 * index) % 12,), generator=generator)
+            masked = torch.randperm(len(tokens), generator=generator)[: 1 + (4 * index) % 9]
+            labels = torch.full_like(tokens, -100)
+            labels[masked] = tokens[masked]
+            self.items.append({"input_ids": tokens.masked_fill(labels != -100, 1), "labels": labels})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path) -> None:
+    """BertForMaskedLM's forward takes **kwargs, and its loss_type ("ForMaskedLM") names a loss that takes
+    num_items_in_batch, but the head computes CrossEntropyLoss() itself: a mean over its own micro-batch's masked
+    tokens, whatever Trainer passes. GafusedTrainer weighs the means by their tokens: one window of 4 one-sequence
+    micro-batches (SGD, lr 1, no clipping) must step by the token-weighted mean gradient, computed here in float64."""
+    config = transformers.BertConfig(
+        vocab_size=cases.VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=cases.PAD,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config)
+    assert model.loss_type == "ForMaskedLM" and not hasattr(model, "accepts_loss_kwargs")
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    data = _Masked()
+    tokens = [int((item["labels"] != -100).sum()) for item in data.items]
+    assert max(tokens) >= 5 * min(tokens), tokens
+    grads = {name: torch.zeros_like(p) for name, p in start.items()}
+    for item, count in zip(data.items, tokens, strict=True):
+        truth.zero_grad()
+        truth(input_ids=item["input_ids"][None], labels=item["labels"][None]).loss.backward()
+        for name, p in truth.named_parameters():
+            if p.grad is not None:
+                grads[name] += p.grad * count / sum(tokens)
+
+    def build(cls: type) -> transformers.Trainer:
+        return cls(
+            model=model,
+            args=cases._arguments(str(tmp_path), learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant"),
+            train_dataset=data,
+            data_collator=lambda items: {key: torch.stack([item[key] for item in items]) for key in items[0]},
+        )
+
+    assert build(transformers.Trainer).model_accepts_loss_kwargs is True  # Trainer's rule: the forward's **kwargs
+    trainer = build(GafusedTrainer)
+    assert trainer.model_accepts_loss_kwargs is False
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.accumulator.normalization == "mean"
+    # |step - step64| / |step64| over the whole model, as the module's other bounds.
+    step_error = sum(
+        float((start[name] - p.detach().double() - grads[name]).square().sum()) for name, p in model.named_parameters()
+    )
+    error = (step_error / sum(float(g.square().sum()) for g in grads.values())) ** 0.5
+    assert error < 1e-5, error
+
+
+class _Head(transformers.PreTrainedModel):
+    """A stand-in masked-LM head (loss_type "ForMaskedLM", whose loss takes num_items_in_batch): the subclasses
+    differ only in how their forward computes the loss."""
+
+    config_class = transformers.PretrainedConfig
+
+    def __init__(self) -> None:
+        super().__init__(transformers.PretrainedConfig())
+        self.score = torch.nn.Linear(2, 3)
+
+    def forward(self, x, labels=None, **kwargs):
+        raise NotImplementedError
+
+
+class OwnForMaskedLM(_Head):
+    def forward(self, x, labels=None, **kwargs):
+        return torch.nn.functional.cross_entropy(self.score(x), labels)  # a mean: the count is never seen
+
+
+class LossFunctionForMaskedLM(_Head):
+    def forward(self, x, labels=None, **kwargs):
+        return self.loss_function(self.score(x), labels, vocab_size=3, **kwargs)
+
+
+class CountingForMaskedLM(_Head):
+    def forward(self, x, labels=None, **kwargs):
+        loss = torch.nn.functional.cross_entropy(self.score(x), labels, reduction="sum")
+        return loss / kwargs["num_items_in_batch"]
+
+
+class DelegatingForMaskedLM(_Head):
+    def forward(self, x, labels=None, **kwargs):
+        return LossFunctionForMaskedLM.forward(self, x, labels=labels, **kwargs)  # the callee may use the count
+
+
+class OwnForSequenceClassification(_Head):
+    def forward(self, x, labels=None, **kwargs):
+        return self.loss_function(self.score(x), labels, config=self.config, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("head", "ignores"),
+    [
+        (OwnForMaskedLM, True),
+        (LossFunctionForMaskedLM, False),
+        (CountingForMaskedLM, False),
+        (DelegatingForMaskedLM, False),
+        (OwnForSequenceClassification, True),  # transformers' loss for it takes no num_items_in_batch
+    ],
+)
+def test_which_losses_ignore_the_item_count(head: type, ignores: bool) -> None:
+    """Read from the forward: a loss it computes itself never sees num_items_in_batch; transformers' loss function
+    does when the loss for its loss_type takes it; a forward that names the count, or hands labels on together with
+    **kwargs, may use it. A declared accepts_loss_kwargs decides, as in Trainer."""
+    from gafused.integrations.transformers import _loss_ignores_item_count
+
+    model = head()
+    assert _loss_ignores_item_count(model) is ignores
+    model.accepts_loss_kwargs = True
+    assert _loss_ignores_item_count(model) is False
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -155,6 +155,139 @@ def test_backward_that_fails_before_any_fold_changes_nothing(backend):
     assert opt.micro_step == 2
 
 
+def test_backward_that_fails_midway_before_any_fold_leaves_no_partial_gradient(backend):
+    """One bucket: a gradient hook on the first layer raises after the last layer's gradients landed in p.grad
+    but before the bucket was complete. Those partial gradients must not join the next micro-batch."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    batches = _batches(3)
+
+    def explode(grad):
+        raise RuntimeError("hook failed")
+
+    handle = model[0].weight.register_hook(explode)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        opt.backward(_loss(model, batches[0]), weight=batches[0].shape[0])
+    handle.remove()
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    for x in batches[1:]:
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    _truth(reference, [batches[1:]])
+    _assert_same(model, reference)
+
+
+def test_second_backward_refused_by_autograd_keeps_the_window_and_the_micro_batch(backend):
+    """A second backward() through a freed graph is refused by autograd before any gradient lands: what the
+    micro-batch's first backward() folded, and the window's earlier micro-batches, stay."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend, bucket_bytes=1)
+    x1, x2 = _batches(2)
+    opt.backward(_loss(model, x1), weight=x1.shape[0])
+    opt.step()
+    out = model(x2)
+    opt.backward(out.square().mean(), weight=x2.shape[0])
+    with pytest.raises(RuntimeError, match="second time"):
+        opt.backward(out.abs().mean())  # the graph was freed by the first backward
+    assert opt.micro_step == 1 and all(p.grad is None for p in model.parameters())
+    opt.step()
+    assert opt.stepped
+    _truth(reference, [[x1, x2]])
+    _assert_same(model, reference)
+
+
+def test_failed_backward_drops_held_gradients_it_changed_and_says_so(backend):
+    """Gradients held from a plain loss.backward() that a failing opt.backward() added to in place cannot be
+    restored: they are dropped (never left half-updated) and the error says so; untouched ones stay as they were."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x1, x2 = _batches(2)
+    _loss(model, x1).backward()
+    held = [p.grad.clone() for p in model.parameters()]
+
+    def explode(grad):
+        raise RuntimeError("hook failed")
+
+    handle = model[0].weight.register_hook(explode)
+    with pytest.raises(RuntimeError, match="hook failed") as raised:
+        opt.backward(_loss(model, x2), weight=1)
+    handle.remove()
+    kept = [p.grad is not None and torch.equal(p.grad, g) for p, g in zip(model.parameters(), held, strict=True)]
+    dropped = [p.grad is None for p in model.parameters()]
+    assert all(k or d for k, d in zip(kept, dropped, strict=True))
+    assert dropped[2] and dropped[3] and kept[0]  # the last layer's were added to; the first layer's weight not
+    assert f"{sum(dropped)} gradient(s) held" in "".join(raised.value.__notes__)
+    assert opt.micro_step == 0
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_gradient_added_into_a_finished_gradient_of_a_frozen_parameter_is_refused(backend, loop):
+    """A parameter frozen when the window's finished gradient is handed out has no hook to release it; unfrozen
+    without zero_grad(), the next plain backward adds into that view in place. The sum of the old and the new
+    gradient cannot be taken apart: the next step() (or backward()) refuses it, naming the parameter."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x1, x2, x3, x4 = _batches(4)
+    _loss(model, x1).backward()
+    opt.step(weight=x1.shape[0])
+    model[2].weight.requires_grad_(False)
+    _loss(model, x2).backward()
+    opt.step(weight=x2.shape[0])
+    assert opt.stepped and model[2].weight.grad is not None  # handed out, no release hook
+    model[2].weight.requires_grad_(True)
+    _loss(model, x3).backward()  # adds into the finished gradient in place
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"params'\]\[2\].*changed in place since"):
+        if loop == "step":
+            opt.step(weight=x3.shape[0])
+        else:
+            opt.backward(_loss(model, x4), weight=x4.shape[0])
+    assert opt.micro_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.zero_grad()
+    reference = copy.deepcopy(model)
+    for x in (x3, x4):
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    _truth(reference, [[x3, x4]])
+    _assert_same(model, reference)
+
+
+def test_a_new_accumulator_does_not_fold_the_old_ones_finished_gradients_again(backend):
+    """Rebuilding the accumulator (new accumulation_steps, say) without zero_grad(): the finished gradients the
+    old one handed out are views of its buffers, not new gradients."""
+    model, reference = _model(), _model()
+    x1, x2, x3 = _batches(3)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend)
+    _loss(model, x1).backward()
+    opt.step(weight=x1.shape[0])
+    assert all(p.grad is not None for p in model.parameters())
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    for x in (x2, x3):
+        _loss(model, x).backward()
+        opt.step(weight=x.shape[0])
+    assert opt.stepped
+    _truth(reference, [[x1], [x2, x3]])
+    _assert_same(model, reference)
+
+
+def test_a_new_accumulator_while_the_old_one_lives_does_not_fold_its_finished_gradients(backend):
+    model, reference = _model(), _model()
+    x1, x2 = _batches(2)
+    first = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend)
+    _loss(model, x1).backward()
+    first.step(weight=x1.shape[0])
+    second = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend)
+    assert all(p.grad is None for p in model.parameters())
+    _loss(model, x2).backward()
+    second.step(weight=x2.shape[0])
+    assert second.stepped and first.micro_step == 0
+    _truth(reference, [[x1], [x2]])
+    _assert_same(model, reference)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_channels_last_parameters_with_fused_optimizers(kind, loop):
@@ -293,6 +426,12 @@ def _corrupt(field):
             window["skipped_steps"] = "many"
         elif field == "window_lrs":
             window["window_lrs"] = [0.1, 0.2]
+        elif field == "weight_sum on meta":  # a checkpoint loaded onto the meta device
+            window["weight_sum"] = window["weight_sum"].to("meta")
+        elif field == "segments on meta":
+            window["buffers"][0]["segments"] = window["buffers"][0]["segments"].to("meta")
+        elif field == "inv_loss_scale on meta":
+            window["inv_loss_scale"] = torch.ones((), dtype=torch.float64, device="meta")
         return state
 
     return edit
@@ -312,6 +451,9 @@ def _corrupt(field):
         ("version", "version"),
         ("skipped_steps", "skipped_steps"),
         ("window_lrs", "window_lrs"),
+        ("weight_sum on meta", r"\['weight_sum'\].*meta device"),
+        ("segments on meta", r"\['segments'\].*meta device"),
+        ("inv_loss_scale on meta", r"\['inv_loss_scale'\].*meta device"),
     ],
 )
 def test_refused_load_state_dict_changes_nothing(field, message):

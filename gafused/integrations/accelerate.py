@@ -26,8 +26,10 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
 - **step / zero_grad.** ``AcceleratedOptimizer.step`` runs the inner step only when ``sync_gradients``; gafused needs
   every micro-batch's ``step()`` to end it. A loop that calls ``step()`` only ``if accelerator.sync_gradients``
   (right for plain Accelerate) would fold a window's micro-batches as one: ``prepare`` counts the ``accumulate()``
-  blocks (``Accelerator._do_sync``), and a ``backward`` or ``step()`` after a block that ended without ``step()``
-  raises. The optimizer returned here is an ``AcceleratedOptimizer`` whose
+  blocks (``Accelerator._do_sync``), and a ``backward`` or ``step()`` after a block that left gradients no ``step()``
+  ended raises. A block that runs no backward (a skipped batch) leaves nothing, nor does one whose ``step()`` failed
+  (the inner optimizer raised: gafused discarded the window), so the loop goes on; a refused ``step()`` changes
+  nothing and can be made again. The optimizer returned here is an ``AcceleratedOptimizer`` whose
   ``step()`` always reaches the accumulator (the window's last finishes it) and whose ``step_was_skipped`` says
   whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads.
 - **The scheduler** (``AcceleratedScheduler``) steps only when ``sync_gradients`` (and, without ``split_batches``,
@@ -63,7 +65,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
         'gafused.integrations.accelerate needs Hugging Face Accelerate: pip install "gafused[accelerate]"'
     ) from error
 
-from gafused.accumulator import GradAccumulator
+from gafused.accumulator import GradAccumulator, _is_published
 from gafused.buffer import DEFAULT_BUCKET_BYTES
 
 __all__ = ["AcceleratedGradAccumulator", "prepare", "WINDOW_FILE"]
@@ -106,8 +108,9 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         self._is_accelerate_prepared = True
         self._num_processes = num_processes
         self._loaded_window: dict[str, Any] | None = None  # this rank's window, read by the load-state hook
-        # accumulate() blocks entered on the accelerator (counted by _install), and how many had been when step()
-        # last ran / when the open micro-batch's backward ran: every block must end with its own step().
+        # accumulate() blocks entered on the accelerator (counted by _enter_block), and how many had been when step()
+        # last ran (or when the blocks since left nothing to end) / when the open micro-batch's backward ran: every
+        # block that runs a backward must end with its own step().
         self._blocks = 0
         self._blocks_at_step = 0
         self._blocks_at_backward = 0
@@ -144,9 +147,11 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         if self._blocks - self._blocks_at_step > 1:
             raise RuntimeError(
                 f"optimizer.step(): {self._blocks - self._blocks_at_step} accelerator.accumulate() blocks ran since "
-                "the last optimizer.step(); " + _STEP_EVERY_BLOCK
+                "the last optimizer.step(), and an earlier one left gradients no step() ended; " + _STEP_EVERY_BLOCK
             )
         sync = self.gradient_state.sync_gradients
+        # A refused call changes nothing (the same call can be made again in this block); a failed inner step
+        # discards the window, and the next block finds nothing left to end (_enter_block).
         result = self.accumulator.step(closure, weight=weight, end_window=sync)
         self._blocks_at_step = self._blocks
         # What AcceleratedScheduler reads: a window that ended without an inner step was skipped (non-finite).
@@ -156,6 +161,27 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Release the managed gradients, at every micro-batch (Accelerate's wrapper does it at sync steps only)."""
         self.accumulator.zero_grad()
+
+    def _enter_block(self) -> None:
+        """Count an ``accumulate()`` block. The blocks since the last ``step()`` are settled when they left nothing
+        for a ``step()`` to end: they ran no backward, their gradients were dropped (``zero_grad()``), or a failed
+        inner step discarded the window. Only a micro-batch or gradient still waiting makes a later ``step()`` (or
+        ``accelerator.backward``) refuse."""
+        if self._blocks != self._blocks_at_step and not self._holds_unended():
+            self._blocks_at_step = self._blocks
+        self._blocks += 1
+
+    def _holds_unended(self) -> bool:
+        """Whether an open micro-batch, or a managed gradient that no ``step()`` has folded, waits for a ``step()``
+        (the finished gradient handed to the last inner step does not)."""
+        accumulator = self.accumulator
+        if accumulator._micro is not None:
+            return True
+        return any(
+            param.grad is not None and not _is_published(group, index, param.grad)
+            for group in accumulator._groups
+            for index, param in enumerate(group.params)
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the accumulator's state; under ``load_state``, the open window is this process's own file's.
@@ -359,7 +385,7 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
     do_sync = accelerator._do_sync  # what accumulate() calls once per block, to count the micro-batch
 
     def counted_do_sync() -> None:
-        prepared._blocks += 1
+        prepared._enter_block()
         do_sync()
 
     accelerator.backward = backward

@@ -107,6 +107,20 @@ class _LightningAccumulator(GradAccumulator):
             self.flush()  # training_step returned None on the window's last batch: finish the window without it
         return result
 
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores rank 0's optimizer state on every rank; another rank's open window is not loaded here
+        (GradAccumulation.on_train_start loads each rank's own window from the callback's state)."""
+        window = state_dict.get("gafused") if isinstance(state_dict, dict) else None
+        if isinstance(window, dict) and window.get("rank", self._sync.rank) != self._sync.rank:
+            closed = {**window, "micro_step": 0, "rank": self._sync.rank, "weight_sum": None, "bad_weight": None}
+            closed["buffers"] = [
+                {key: value for key, value in entry.items() if key != "segments"} if isinstance(entry, dict) else entry
+                for entry in window.get("buffers") or []
+            ]
+            state_dict = {**state_dict, "gafused": closed}
+        GradAccumulator.load_state_dict(self, state_dict)
+
 
 class GradAccumulation(Callback):
     """Make ``Trainer(accumulate_grad_batches=N)`` accumulate with gafused: token-weighted, exact partial windows,

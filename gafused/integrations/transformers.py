@@ -29,9 +29,11 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
 - Heads whose loss ignores ``num_items_in_batch``: Trainer takes a model whose ``forward`` accepts ``**kwargs`` to
   normalize its loss over the window, but transformers' losses for sequence, token, image, audio and video
   classification, question answering, detection and CTC (``LOSS_MAPPING`` entries without that argument) stay means
-  over the micro-batch. For such a model (``loss_type`` in that mapping, no ``accepts_loss_kwargs`` declared, no
-  custom loss function set) GafusedTrainer sets ``model_accepts_loss_kwargs = False``, so its losses are weighed as
-  the per-micro-batch means they are; plain Trainer sums them (``gradient_accumulation_steps`` times too large).
+  over the micro-batch, and so do the losses heads compute themselves (BertForMaskedLM's ``CrossEntropyLoss()``,
+  T5's, Bart's, Whisper's: the forward never calls ``self.loss_function``, whatever its ``loss_type``). For such a
+  model (no ``accepts_loss_kwargs`` declared; the forward is read from its source, ``_forward_loss``) GafusedTrainer
+  sets ``model_accepts_loss_kwargs = False``, so its losses are weighed as the per-micro-batch means they are; plain
+  Trainer sums them (``gradient_accumulation_steps`` times too large).
 - Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
@@ -41,8 +43,10 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
+import textwrap
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -128,9 +132,9 @@ class GafusedTrainer(transformers.Trainer):
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
         self._check_supported()
-        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification,
-        # ...): Trainer would treat that loss as normalized over the window and sum the means. Its loss is what it
-        # is, so it is weighed as one (see module docstring).
+        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
+        # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
+        # the means. Its loss is what it is, so it is weighed as one (see module docstring).
         if self.model_accepts_loss_kwargs and _loss_ignores_item_count(unwrap_peft_model(self.model)):
             self.model_accepts_loss_kwargs = False
         self._sums = self._loss_normalized_over_window()
@@ -357,13 +361,61 @@ def _routed_backward(accelerator: Any, backward: Any) -> Iterator[None]:
 
 
 def _loss_ignores_item_count(model: torch.nn.Module) -> bool:
-    """A model whose loss is transformers' own for its ``loss_type`` and takes no ``num_items_in_batch``: a mean over
-    the micro-batch, whatever Trainer passes. A model that declares ``accepts_loss_kwargs``, or whose loss function
-    was replaced, says for itself."""
-    if hasattr(model, "accepts_loss_kwargs") or hasattr(model, "_loss_function"):
+    """Whether the model's loss is a mean over the micro-batch whatever ``num_items_in_batch`` Trainer passes.
+
+    A model that declares ``accepts_loss_kwargs`` says for itself (Trainer takes it at its word too). Otherwise its
+    ``forward`` is read (``_forward_loss``): a loss it computes itself never sees the count (BertForMaskedLM's
+    ``CrossEntropyLoss()`` over its masked tokens, T5's, Bart's); transformers' loss function for its ``loss_type``
+    sees it when that loss takes ``num_items_in_batch`` (or when the loss function was replaced: it says for itself).
+    A forward that names the count, hands ``labels`` on together with ``**kwargs``, or cannot be read keeps
+    Trainer's decision unless its ``loss_type`` names a loss without the count."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return False
+    how = _forward_loss(type(model).forward)
+    if how == "own":
+        return True
+    if how == "count" or hasattr(model, "_loss_function"):
         return False
     loss = LOSS_MAPPING.get(getattr(model, "loss_type", None))
     return loss is not None and "num_items_in_batch" not in inspect.signature(loss).parameters
+
+
+def _forward_loss(forward: Any) -> str:
+    """How a ``forward(..., labels=None, **kwargs)`` computes its loss, read from its source.
+
+    "count": it names ``num_items_in_batch``. "loss_function": it calls transformers' ``self.loss_function``.
+    "own": neither, and ``labels`` reaches no call that also takes ``**kwargs``, so the count Trainer puts in
+    ``kwargs`` never meets the labels: the loss it computes does without it. "unknown": no source, no ``labels``
+    or ``**kwargs`` parameter, or ``labels`` handed on with ``**kwargs`` (to a submodule or ``super().forward``,
+    whose loss may use the count).
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))
+        function = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return "unknown"
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        return "unknown"
+    arguments = function.args
+    named = {argument.arg for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
+    if "labels" not in named or arguments.kwarg is None:
+        return "unknown"
+    nodes = [node for statement in function.body for node in ast.walk(statement)]
+    if any(
+        (isinstance(node, ast.Name) and node.id == "num_items_in_batch")
+        or (isinstance(node, ast.Constant) and node.value == "num_items_in_batch")
+        or (isinstance(node, ast.keyword) and node.arg == "num_items_in_batch")
+        for node in nodes
+    ):
+        return "count"
+    if any(isinstance(node, ast.Attribute) and node.attr == "loss_function" for node in nodes):
+        return "loss_function"
+    for node in nodes:
+        if isinstance(node, ast.Call) and any(keyword.arg is None for keyword in node.keywords):
+            given = node.args + [keyword.value for keyword in node.keywords]
+            if any(isinstance(name, ast.Name) and name.id == "labels" for value in given for name in ast.walk(value)):
+                return "unknown"
+    return "own"
 
 
 def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
