@@ -73,6 +73,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import param_sets  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import provenance  # noqa: E402
 from e2e import TinyGPT, TinyGPTConfig  # noqa: E402
 from memory import count_every_thread, track_peak  # noqa: E402
 
@@ -636,6 +637,7 @@ def run(quick: bool, names: list[str] | None = None, memory: bool = True) -> dic
         "python": platform.python_version(),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        **provenance.facts("cpu"),
         "threads_per_rank": 1,
         "backend": "gloo",
         "world_size": WORLD,

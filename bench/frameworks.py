@@ -53,7 +53,11 @@ from typing import Any
 
 import torch
 
-import gafused
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import provenance  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+
+import gafused  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "frameworks-cpu.json"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gafused" / "bench"
@@ -553,6 +557,7 @@ def run(quick: bool) -> dict[str, Any]:
         "lightning": lightning.__version__,
         "gafused": gafused.__version__,
         "python": platform.python_version(),
+        **provenance.facts("cpu"),
         "backend": "gloo",
         "threads_per_process": 1,
         "quick": quick,

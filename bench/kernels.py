@@ -13,6 +13,14 @@ device-to-device copy bandwidth on buffers of 256 MB and up): the ops are called
 
 The copy bandwidth of each size is a ``copy_`` of the buffer's own bytes (read + write), timed in the same
 run with the same timer.
+
+Everything the sweep allocates (buffer, gradients, the bf16 ``out``) is written before the timed calls. An op
+that makes temporaries of its own (the reference backend upcasts a bf16 gradient, or computes ``scale_``'s
+product, one segment at a time) may get them fresh from the OS on every call: at large sizes glibc maps such
+allocations and unmaps them when freed, and every first touch of a page is a page fault inside the timed call.
+A row whose median call takes ``FIRST_TOUCH_FAULTS`` page faults or more (256 KiB of 4 KiB pages; a call on
+memory already touched takes none) is kept out of the figures it would distort (status ``dropped: ...``, with
+the faults and times it measured): it times the OS's page handling, not the op's bandwidth.
 """
 
 from __future__ import annotations
@@ -20,17 +28,26 @@ from __future__ import annotations
 import torch
 import traffic
 from progress import ProgressFactory, open_bar
-from timing import Timer, copy_bandwidth_gbps
+from timing import Timer, copy_bandwidth_gbps, page_size
 
 import gafused
 from gafused import ops
 
-__all__ = ["KERNEL_OPS", "sweep_sizes", "run_kernel_sweep", "format_kernel_table"]
+__all__ = [
+    "KERNEL_OPS",
+    "FIRST_TOUCH_FAULTS",
+    "sweep_sizes",
+    "run_kernel_sweep",
+    "first_touch_status",
+    "format_kernel_table",
+]
 
 KERNEL_OPS = traffic.OP_NAMES
 _SEGMENTS = 8
 _MB = 2**20
 _GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# A row whose median timed call takes this many page faults or more is dropped (module doc).
+FIRST_TOUCH_FAULTS = 64
 
 
 _SIZES_MB = {
@@ -75,7 +92,8 @@ def run_kernel_sweep(
     """Time every op of every gafused backend that runs on ``device`` at every sweep size.
 
     Args:
-        device: where to run; the Triton interpreter is not a benchmark, so CPU runs the reference backend.
+        device: where to run; every backend ``gafused.available_backends(device)`` lists, except Triton off a
+            GPU (its interpreter is not a benchmark).
         mode: "quick", "default" or "full": which sizes (``sweep_sizes``).
         timer: the run's timer.
         progress: the run's progress factory (see progress.py), or None.
@@ -98,7 +116,7 @@ def run_kernel_sweep(
             for backend in backends:
                 buffer = gafused.FlatGradBuffer(params)
                 buffer.data.normal_()
-                out = torch.empty(buffer.numel, dtype=torch.bfloat16, device=device)
+                out = torch.zeros(buffer.numel, dtype=torch.bfloat16, device=device)  # touched before timing
                 for dtype_name, dtype in _GRAD_DTYPES.items():
                     grads = [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
                     for op in _ops_for(dtype_name):
@@ -106,16 +124,27 @@ def run_kernel_sweep(
                         moved = traffic.op_bytes_per_element(op, dtype) * segment * _SEGMENTS
                         gbps = moved / (timing.median_ms * 1e-3) / 1e9
                         rows.append({
-                            "status": "ok", "acc_mb": acc_bytes // _MB, "backend": backend, "op": op,
+                            "status": first_touch_status(timing.page_faults), "acc_mb": acc_bytes // _MB,
+                            "backend": backend, "op": op,
                             "grad_dtype": dtype_name if op in ("fold", "fold_finish") else "-",
                             "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
                             "reps": timing.reps, "gbps": gbps, "copy_gbps": copy_gbps,
-                            "fraction_of_copy_bw": gbps / copy_gbps,
+                            "fraction_of_copy_bw": gbps / copy_gbps, "page_faults": timing.page_faults,
                         })  # fmt: skip
                         bar.update()
                     del grads
                 del buffer, out
     return rows
+
+
+def first_touch_status(page_faults: float | None) -> str:
+    """A row's status: ``ok``, or why it is dropped (its timed calls first touched memory; module doc)."""
+    if page_faults is None or page_faults < FIRST_TOUCH_FAULTS:
+        return "ok"
+    return (
+        f"dropped: {page_faults:.0f} page faults per call (at least {page_faults * page_size() / _MB:.1f} MiB "
+        f"first touched inside the timed call), so the time is page handling, not bandwidth"
+    )
 
 
 def format_kernel_table(rows: list[dict]) -> str:
@@ -126,7 +155,8 @@ def format_kernel_table(rows: list[dict]) -> str:
     lines = ["kernel sweep (fp32 buffer, 8 segments; GB/s by minimum bytes; copy of the same size, same run)", header]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"{row['acc_mb']:>7} {row['status']}")
+            where = f" {row['backend']:10} {row['op']:15} {row['grad_dtype']:5}" if "op" in row else ""
+            lines.append(f"{row['acc_mb']:>7}{where} {row['status']}")
             continue
         quantiles = f"[{row['q20_ms']:.3f}, {row['q80_ms']:.3f}]"
         lines.append(

@@ -28,6 +28,12 @@ def _pyplot():
     return plt
 
 
+def _backends(rows: list[dict]) -> str:
+    """The gafused backends that ran in ``rows``, as words for a title."""
+    names = list(dict.fromkeys(r["backend"] for r in rows if r.get("backend")))
+    return f"{' and '.join(names)} backend{'s' if len(names) > 1 else ''}" if names else "gafused"
+
+
 def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=_DPI)
@@ -129,7 +135,7 @@ def micro_ms(rows: list[dict] | None, path: Path, device_label: str, provider_or
             axis.set_ylabel("ms per micro-batch (lower is better)", fontsize=8)
             axis.grid(True, axis="y", which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    note = " (on CPU gafused runs its reference backend, the test oracle)" if device_label.startswith("CPU") else ""
+    note = f" (CPU: gafused's {_backends(ok)}, not the GPU kernels)" if device_label.startswith("CPU") else ""
     figure.suptitle(f"Time per micro-batch - {device_label}{note}", fontsize=10)
     return _save(figure, path)
 
@@ -156,7 +162,7 @@ def kernels(rows: list[dict] | None, path: Path, device_label: str, cpu: bool) -
     axis.set_ylim(bottom=0)
     axis.set_xlabel("fp32 accumulation buffer")
     axis.set_ylabel("GB/s (minimum bytes / time): higher is better")
-    where = "CPU path (reference backend, not the GPU kernels)" if cpu else "GPU kernels"
+    where = f"CPU path ({_backends(ok)}, not the GPU kernels)" if cpu else "GPU kernels"
     axis.set_title(f"gafused ops vs copy_ bandwidth - {where}\n{device_label}", fontsize=9)
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

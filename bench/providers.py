@@ -21,7 +21,7 @@ import torch
 
 import gafused
 
-__all__ = ["NoopOptimizer", "Provider", "PROVIDERS", "provider_names", "make_provider"]
+__all__ = ["NoopOptimizer", "Provider", "PROVIDERS", "provider_names", "unavailable_reason", "make_provider"]
 
 _EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_
 
@@ -235,7 +235,9 @@ class Gafused(Provider):
         self.accumulator.step()
 
 
-PROVIDERS = ("naive", "foreach", "compiled", "gafused-reference", "gafused-triton", "gafused-cuda")
+# Every provider that can be asked for: the torch ones, then one per backend gafused knows (whether or not it
+# runs here: ``provider_names`` says which do, ``unavailable_reason`` why the others do not).
+PROVIDERS = ("naive", "foreach", "compiled", *(f"gafused-{backend}" for backend in gafused.ops.BACKENDS))
 
 
 def provider_names(device: torch.device) -> list[str]:
@@ -246,6 +248,20 @@ def provider_names(device: torch.device) -> list[str]:
     device = torch.device(device)
     backends = [b for b in gafused.available_backends(device) if not (b == "triton" and device.type != "cuda")]
     return ["naive", "foreach", "compiled", *(f"gafused-{b}" for b in backends)]
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why provider ``name`` (one of ``PROVIDERS``) is not timed on ``device``; None when it is."""
+    device = torch.device(device)
+    if name in provider_names(device):
+        return None
+    if not name.startswith("gafused-"):
+        raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
+    backend = name.removeprefix("gafused-")
+    reason = gafused.ops.backend_unavailable_reason(backend, device)
+    if reason is not None:
+        return reason
+    return f"the {backend} backend runs on {device.type} only in its interpreter, which is not timed"
 
 
 def make_provider(

@@ -40,6 +40,7 @@ import kernels  # noqa: E402
 import param_sets  # noqa: E402
 import plots  # noqa: E402
 import progress as progress_bars  # noqa: E402
+import provenance  # noqa: E402
 import providers  # noqa: E402
 import summary  # noqa: E402
 import timing  # noqa: E402
@@ -53,6 +54,9 @@ MEASURED_MOMENTS = ("middle", "last")
 # Timer settings per mode: (seconds of timed calls per measurement, min reps, max reps, warmup calls).
 _TIMER = {"quick": (0.1, 3, 15, 1), "default": (0.25, 5, 40, 1), "full": (1.0, 5, 100, 2)}
 _DEFAULT_DTYPES = {"quick": "bf16,fp32", "default": "bf16", "full": "bf16,fp32"}
+# memory.run's quick argument per mode: the ~100 MB model (about a minute on CPU) only with --full, the small
+# one keeps the default run short.
+MEMORY_QUICK = {"quick": True, "default": True, "full": False}
 
 
 def default_out() -> Path:
@@ -73,6 +77,10 @@ def _device_name(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()}"
 
 
+def _load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def _sanitize(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -81,7 +89,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sets and short budgets (CI smoke run)")
-    size.add_argument("--full", action="store_true", help="every set, both dtypes, 1 s budgets (about 10 min on CPU)")
+    size.add_argument("--full", action="store_true", help="every set, both dtypes, 1 s budgets (5-9 min on 2 cores)")
     parser.add_argument("--out", type=Path, help=f"output directory (default: {default_out()})")
     parser.add_argument("--sets", help="comma-separated set names (default: every set of the mode and device)")
     parser.add_argument("--providers", help=f"comma-separated, from {', '.join(providers.PROVIDERS)}")
@@ -110,6 +118,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     parser.add_argument("--verbose", action="store_true", help="print the full tables before the summary")
     parser.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the PNGs of a results file and exit")
+    parser.add_argument("--table", type=Path, metavar="JSON", help="print the README's tables of a results file")
     return parser.parse_args(argv)
 
 
@@ -169,16 +178,18 @@ def _selected_sets(args, device: torch.device, mode: str) -> list[param_sets.Par
 
 
 def _selected_providers(args, device: torch.device) -> list[str]:
+    """The providers to time: every one that runs on ``device``, or those of ``--providers`` that do (each one
+    that does not is named on stderr with the reason)."""
     names = providers.provider_names(device)
     if args.providers:
-        unknown = set(args.providers.split(",")) - set(providers.PROVIDERS)
+        wanted = args.providers.split(",")
+        unknown = set(wanted) - set(providers.PROVIDERS)
         if unknown:
-            raise SystemExit(f"--providers: unknown {sorted(unknown)}; choose from {providers.PROVIDERS}")
-        missing = [n for n in args.providers.split(",") if n not in names]
-        for name in missing:
-            reason = gafused.ops.backend_unavailable_reason(name.removeprefix("gafused-"), device)
-            print(f"--providers: {name} cannot run on {device.type}: {reason or 'not timed there'}", file=sys.stderr)
-        names = [n for n in names if n in args.providers.split(",")]
+            raise SystemExit(f"--providers: unknown {sorted(unknown)}; choose from {', '.join(providers.PROVIDERS)}")
+        for name in dict.fromkeys(n for n in wanted if n not in names):
+            print(f"--providers: {name} skipped on {device.type}: {providers.unavailable_reason(name, device)}",
+                  file=sys.stderr)  # fmt: skip
+        names = [n for n in names if n in wanted]
     return names
 
 
@@ -258,6 +269,7 @@ def _row_numbers(measured, moment, param_set, dtype, copy_gbps) -> dict:
         "gbps": gbps,
         "fraction_of_copy_bw": gbps / copy_gbps,
         "launches": launches,
+        "page_faults": timed.page_faults,
     }
 
 
@@ -368,12 +380,16 @@ def _tables(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.table:
+        print(summary.readme_tables(json.loads(args.table.read_text())))
+        return 0
     if args.plot_only:
         saved = json.loads(args.plot_only.read_text())
         stem = args.plot_only.with_suffix("")
         print("wrote " + ", ".join(map(str, plots.write_all(saved, stem, list(providers.PROVIDERS)))))
         return 0
     started = time.perf_counter()
+    load_before = _load_average()
     mode = _mode(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
@@ -399,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.kernels_only:
         # The Triton count runs in a child process beside the untimed parts (memory, correctness).
         count = triton_launches.Count().start() if device.type == "cpu" else None
-        # The ~100 MB model (about a minute on CPU) only with --full; the small one keeps the default run short.
-        results["memory"], results["memory_status"] = run_memory(not args.full, progress)
+        results["memory"], results["memory_status"] = run_memory(MEMORY_QUICK[mode], progress)
         results["correctness"] = correctness.run_correctness(progress)
         results["triton_launches"] = count.result() if count is not None else None
     rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps, progress)
@@ -420,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "gafused": gafused.__version__,
         "python": platform.python_version(),
+        **provenance.facts(device),
         "cpu_threads": torch.get_num_threads(),
+        # What backend="auto" runs here; each gafused-<backend> row and kernel row names its own backend.
+        "default_backend": gafused.ops.resolve_backend("auto", device),
         "quick": args.quick,
         "accumulation_steps": args.accumulation_steps,
         "max_grad_norm": 1.0,
@@ -428,13 +446,15 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bytes": traffic.copy_bytes(copy_nbytes),
         "launch_unit": timing.launch_unit(device),
         "notes": (
-            "CPU: gafused runs its reference backend; copy_ also reads each destination line before writing it "
+            "CPU: no fused GPU kernel runs; copy_ also reads each destination line before writing it "
             "(write-allocate), in-place accumulation does not, so fractions above 1 are expected and do not "
             "compare with GPU figures"
             if device.type == "cpu"
             else "caches flushed before every sample; times include host launch overhead (device idle at start)"
         ),
         "timer": {"budget_s": timer.budget_s, "min_reps": timer.min_reps, "max_reps": timer.max_reps},
+        # Other work on the machine stretches times: the 1-minute load average at the run's start and end.
+        "load_average_1min": [load_before, _load_average()],
         "sets": {s.name: s.description for s in param_sets.default_sets(device.type, mode)},
     }
     results = {"meta": meta, **results, "micro": rows, "e2e": e2e_result, "kernels": kernel_rows}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from correctness import format_correctness_table
 
-__all__ = ["render", "FILE_ROLES"]
+__all__ = ["render", "readme_tables", "default_backend", "FILE_ROLES"]
 
 _WIDTH = 100
 
@@ -28,6 +28,34 @@ FILE_ROLES = {
     "-ms.png": "time per micro-batch by provider and parameter set",
     "-kernels.png": "bandwidth of each op vs buffer size, with the copy_ line",
 }
+
+
+# What each gafused backend is, for the screen's words (which backend ran always comes from the results).
+_BACKEND_WORDS = {
+    "reference": "plain PyTorch, one segment at a time: the oracle the tests hold every backend to",
+    "foreach": "torch._foreach_* ops over the buffer's segment views",
+    "triton": "fused Triton kernels",
+    "cuda": "the fused CUDA extension's kernels",
+}
+
+
+def _names(backends: list[str]) -> str:
+    quoted = [f"`{b}`" for b in backends]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _backends(rows: list[dict] | None) -> list[str]:
+    """The gafused backends that ran in ``rows``, in order of appearance."""
+    return list(dict.fromkeys(r["backend"] for r in rows or [] if r.get("backend")))
+
+
+def default_backend(results: dict) -> str | None:
+    """The backend gafused's ``backend="auto"`` ran in this run: recorded in the meta, else the end-to-end
+    gafused row's (results written before the meta recorded it); None when neither says."""
+    recorded = results["meta"].get("default_backend")
+    if recorded:
+        return recorded
+    return next(iter(_backends((results.get("e2e") or {}).get("rows"))), None)
 
 
 def _heading(title: str) -> str:
@@ -136,12 +164,17 @@ def _launches(results: dict) -> list[str]:
         else:
             lines.append(f"  gafused-triton launches: {triton['skipped']}")
     if cpu:
-        lines += _wrap(
+        text = (
             "On CPU an 'aten op' is the unit of work torch dispatches: every path here does about one or two per "
-            "tensor (torch's _foreach_* ops loop over tensors on CPU, and the reference backend is a per-tensor "
-            "loop by design), so CPU times are host times and the ranking on CPU says nothing about a GPU. The "
-            "reference backend is the test oracle, not a fast path: its ratio to foreach above is its cost."
+            "tensor (torch's _foreach_* ops loop over tensors on CPU), so CPU times are host times and the ranking "
+            "on CPU says nothing about a GPU."
         )
+        if "gafused-reference" in providers:
+            text += (
+                " gafused-reference is the test oracle, a per-segment loop by design, not a fast path: its ratio to "
+                "the others above is its cost."
+            )
+        lines += _wrap(text)
     else:
         lines += _wrap("host ms: how long the call kept the Python thread busy (launches), device work excluded.")
     return lines
@@ -149,8 +182,11 @@ def _launches(results: dict) -> list[str]:
 
 def _kernels(results: dict) -> list[str]:
     rows = [r for r in results.get("kernels") or [] if r["status"] == "ok"]
+    dropped = [r for r in results.get("kernels") or [] if r["status"].startswith("dropped")]
     cpu = results["meta"]["device_type"] == "cpu"
-    where = "CPU path: the reference backend's ops" if cpu else "GPU kernels"
+    backends = _backends(rows)
+    ran = f"the {_names(backends)} backend{'s' if len(backends) > 1 else ''}" if backends else "gafused"
+    where = f"CPU path: {ran}" if cpu else "GPU kernels"
     lines = [_heading(f"KERNELS VS COPY BANDWIDTH  ({where}, one fp32 buffer)")]
     if not rows:
         return lines + ["  not run"]
@@ -172,14 +208,24 @@ def _kernels(results: dict) -> list[str]:
     )
     if cpu:
         explanation += (
-            "On CPU copy_ also reads every destination line before writing it (write-allocate) while in-place "
-            "ops do not, so more than 100% can happen; these are CPU figures of the reference backend and say "
-            "nothing about the GPU goal (each fused kernel at >= 90% of copy on buffers of 256 MB and up), which "
-            "this same command measures on a GPU machine."
+            f"On CPU copy_ also reads every destination line before writing it (write-allocate) while in-place "
+            f"ops do not, so more than 100% can happen; these are CPU figures of {ran} and say nothing about the "
+            f"GPU goal (each fused kernel at >= 90% of copy on buffers of 256 MB and up), which this same command "
+            f"measures on a GPU machine."
         )
     else:
         explanation += "The goal: each fused kernel at >= 90% of copy on buffers of 256 MB and up."
-    return lines + _wrap(explanation)
+    lines += _wrap(explanation)
+    if dropped:
+        cells = [
+            f"{r['acc_mb']} MB {r['backend']} {r['op']}" + (f" {r['grad_dtype']}" if r["grad_dtype"] != "-" else "")
+            for r in dropped
+        ]
+        lines += _wrap(
+            f"Left out: {'; '.join(cells)}. Their timed calls first touched memory the op allocated itself (page "
+            f"faults), so their times are page handling, not bandwidth; -tables.txt lists them."
+        )
+    return lines
 
 
 def _e2e(results: dict) -> list[str]:
@@ -215,12 +261,19 @@ def render(results: dict, files: list[Path], elapsed_s: float | None = None) -> 
         f"{meta['device']}, torch {meta['torch']}, {meta['date_utc'].replace('T', ' ')[:16]} UTC",
     ]
     if meta["device_type"] == "cpu":
-        lines += _wrap(
-            "No GPU here: gafused runs its `reference` backend (plain PyTorch, one tensor at a time: the oracle "
-            "the tests hold every backend to). The fused Triton and CUDA kernels need a GPU; on a GPU machine "
-            "this same command times them.",
-            indent="",
-        )
+        default = default_backend(results)
+        timed = [b for b in _backends(results.get("micro")) if b != default]
+        text = "No GPU here: "
+        if default:
+            text += f"gafused ran its default CPU backend, `{default}` ({_BACKEND_WORDS.get(default, 'gafused')})"
+            if timed:
+                text += "; the micro-benchmark also times " + "; ".join(
+                    f"`{b}` ({_BACKEND_WORDS.get(b, 'gafused')})" for b in timed
+                )
+        elif timed:
+            text += "gafused ran " + "; ".join(f"`{b}` ({_BACKEND_WORDS.get(b, 'gafused')})" for b in timed)
+        text += ". The fused Triton and CUDA kernels need a GPU; on a GPU machine this same command times them."
+        lines += _wrap(text, indent="")
     lines += _memory(results) + _correctness(results) + _launches(results) + _kernels(results) + _e2e(results)
     if files:
         folder = files[0].parent
@@ -233,3 +286,50 @@ def render(results: dict, files: list[Path], elapsed_s: float | None = None) -> 
         lines.append("\nEvery set, both gradient dtypes, longer timings: python bench/run.py --full")
     lines.append("=" * _WIDTH)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row["status"] == "ok":
+        return f"{row['median_ms']:.2f}"
+    return row["status"].split(":")[0] + (" (compile time)" if "compile time" in row["status"] else "")
+
+
+def readme_tables(results: dict) -> str:
+    """The README's tables of a results file (``python bench/run.py --table FILE.json``): every row of the
+    micro-benchmark (median ms of each provider; aten ops, or kernels on a GPU, per micro-batch of the row's
+    moment) and the end-to-end step, formatted as README quotes them."""
+    rows = results.get("micro") or []
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    counted = [n for n in names if n == "naive" or n.startswith("gafused-")]
+    unit = "aten ops" if results["meta"]["device_type"] == "cpu" else "kernels"
+    by_key = {(r["set"], r["grad_dtype"], r["moment"], r["provider"]): r for r in rows}
+    keys = sorted({(r["set"], r["grad_dtype"], r["moment"] == "last", r["moment"]) for r in rows})
+    lines = [
+        "| set | grads | moment | " + " | ".join(f"{n} ms" for n in names) + f" | {unit} "
+        + " / ".join(counted) + " |",
+        "| --- " * (4 + len(names)) + "|",
+    ]  # fmt: skip
+    described = set()
+    for set_name, dtype, _, moment in keys:
+        label = set_name
+        if set_name not in described:
+            described.add(set_name)
+            first = next(r for r in rows if r["set"] == set_name)
+            plural = "s" if first["tensors"] > 1 else ""
+            label += f" ({first['tensors']} tensor{plural}, {first['elements'] / 1e6:.1f}M elements)"
+        cells = [_cell(by_key.get((set_name, dtype, moment, n))) for n in names]
+        launches = [by_key.get((set_name, dtype, moment, n), {}).get("launches") for n in counted]
+        lines.append(
+            f"| {label} | {dtype} | {moment} | " + " | ".join(cells) + " | "
+            + " / ".join("-" if v is None else str(v) for v in launches) + " |"
+        )  # fmt: skip
+    tables = ["\n".join(lines)]
+    e2e = results.get("e2e")
+    if e2e:
+        e2e_lines = ["| recipe | ms per optimizer step | gafused backend |", "| --- | --- | --- |"]
+        for row in e2e["rows"]:
+            e2e_lines.append(f"| {row['recipe']} | {row['ms_per_step']:.1f} | {row.get('backend') or '-'} |")
+        tables.append("\n".join(e2e_lines))
+    return "\n\n".join(tables)

@@ -3,7 +3,8 @@
 The Triton backend runs on CPU tensors under ``TRITON_INTERPRET=1``: too slow to time, but it launches exactly
 the kernels a GPU would. This counts them for one ``GradAccumulator.step()`` (a middle and a finishing
 micro-batch, bf16 gradients, clipping on) on parameter sets with the layout of the timed ones at tiny sizes, so
-the CPU summary can say what the fused path launches where the timed rows can only show the reference backend.
+the CPU summary can say what the fused path launches where the timed rows can only show the CPU backends
+(foreach, reference).
 
 The interpreter must be chosen before Triton kernels are defined, so the count runs in a child process:
 ``Count().start()`` runs ``python bench/triton_launches.py`` with ``TRITON_INTERPRET=1`` (it can run beside untimed

@@ -62,6 +62,9 @@ def test_every_row_and_the_run_facts(results: dict, rows: dict[str, dict]) -> No
     meta = results["meta"]
     assert meta["world_size"] == 2 and meta["accumulation_steps"] == N and meta["quick"]
     assert {"torch", "cpu", "date_utc"} <= set(meta)
+    # The code and machine behind the figures; on these CPU ranks there is no driver to name.
+    assert {"git_commit", "git_tracked_files_modified", "cpu_cores", "cuda_version", "triton"} <= set(meta)
+    assert meta["cpu_cores"] >= 1 and meta["cuda_driver_version"] is None
     for row in rows.values():
         assert row["counts_equal_every_window_and_rank"], row["recipe"]
         assert row["peak_bytes"] > 0 and row["window_s_median"] > 0

@@ -55,6 +55,8 @@ def _rows(results: dict, scenario: str) -> dict[tuple[str, str, int], dict]:
 
 def test_every_recipe_ran_on_1_and_2_processes_in_the_expected_windows(quick: dict) -> None:
     assert quick["meta"]["failures"] == [] and quick["meta"]["quick"]
+    assert {"git_commit", "git_tracked_files_modified", "cpu_cores", "cuda_version", "triton"} <= set(quick["meta"])
+    assert quick["meta"]["cpu_cores"] >= 1 and quick["meta"]["cuda_driver_version"] is None
     expected = {("pytorch", "big-batch"), *frameworks.RECIPES}
     for scenario in frameworks.QUICK_SCENARIOS:
         rows = _rows(quick, scenario.name)

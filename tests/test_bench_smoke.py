@@ -5,11 +5,19 @@ Timing is not tested here (no timing assertions); ``python bench/run.py --quick`
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import gafused
+
+ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -21,8 +29,12 @@ ACCUMULATION_STEPS = 4
 MAX_GRAD_NORM = 0.5
 
 
+# Every provider the CPU run times, but `compiled` (torch.compile: slow to build, the same math as foreach).
+_CPU_PROVIDERS = [name for name in providers.provider_names(torch.device("cpu")) if name != "compiled"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["naive", "foreach", "gafused-reference"])
+@pytest.mark.parametrize("name", _CPU_PROVIDERS)
 def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype) -> None:
     param_set = param_sets.gpt2(hidden=8, layers=1, vocab=37, positions=5, name="tiny")
     generator = torch.Generator().manual_seed(1)
@@ -33,6 +45,8 @@ def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype
     ]
     params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape in param_set.shapes]
     provider = providers.make_provider(name, params, pool, ACCUMULATION_STEPS, MAX_GRAD_NORM)
+    if name.startswith("gafused-"):
+        assert provider.accumulator.backend == name.removeprefix("gafused-")
 
     provider.prepare("last")
     assert provider.position() == ACCUMULATION_STEPS - 1
@@ -167,12 +181,19 @@ def test_small_run_writes_the_files_its_summary_lists(monkeypatch, tmp_path, cap
             return {"skipped": "not counted in this test"}
 
     monkeypatch.setattr(triton_launches, "Count", _NoCount)
-    memory = types.SimpleNamespace(run=lambda quick, progress: _MEMORY_ROWS) if memory_built else None
+    quick_seen = []
+
+    def fake_memory_run(quick, progress):
+        quick_seen.append(quick)
+        return _MEMORY_ROWS
+
+    memory = types.SimpleNamespace(run=fake_memory_run) if memory_built else None
     monkeypatch.setitem(sys.modules, "memory", memory)
     argv = ["--quick", "--out", str(tmp_path), "--no-e2e", "--sets", "single-big", "--dtypes", "fp32",
             "--providers", "naive,gafused-reference", "--no-progress", "--device", "cpu"]  # fmt: skip
     assert run.main(argv) == 0
     screen = capsys.readouterr().out
+    assert quick_seen == ([run.MEMORY_QUICK["quick"]] if memory_built else [])
     for heading in ("MEMORY", "CORRECTNESS", "LAUNCHES AND HOST TIME", "KERNELS VS COPY BANDWIDTH", "FILES"):
         assert heading in screen
     if memory_built:
@@ -186,3 +207,216 @@ def test_small_run_writes_the_files_its_summary_lists(monkeypatch, tmp_path, cap
         assert any(name.endswith(suffix) for suffix in summary.FILE_ROLES), name
     assert any(name.endswith("-kernels.png") for name in written)
     assert any(name.endswith("-memory.png") for name in written) == memory_built
+
+    # The screen names the backend "auto" ran here, and the results say which backend each row ran.
+    results = json.loads(next(tmp_path.glob("*.json")).read_text())
+    default = gafused.ops.resolve_backend("auto", "cpu")
+    assert results["meta"]["default_backend"] == default
+    assert f"default CPU backend, `{default}`" in " ".join(screen.split())
+    micro_backends = {r["backend"] for r in results["micro"] if r["provider"].startswith("gafused-")}
+    assert micro_backends == {"reference"}
+    kernel_backends = [b for b in gafused.available_backends("cpu") if b != "triton"]
+    assert {r["backend"] for r in results["kernels"]} == set(kernel_backends)
+    kernels_heading = next(line for line in screen.splitlines() if line.startswith("KERNELS VS COPY BANDWIDTH"))
+    assert all(f"`{b}`" in kernels_heading for b in kernel_backends)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def test_results_meta_records_the_code_and_the_machine(monkeypatch, tmp_path) -> None:
+    import importlib.metadata
+
+    import provenance
+    import run
+    import triton_launches
+
+    monkeypatch.setattr(triton_launches, "Count", None)  # --kernels-only counts no Triton launches
+    argv = ["--kernels-only", "--quick", "--out", str(tmp_path), "--no-progress", "--no-plots", "--device", "cpu"]
+    assert run.main(argv) == 0
+    meta = json.loads(next(tmp_path.glob("*.json")).read_text())["meta"]
+    top = _git("rev-parse", "--show-toplevel")
+    commit = _git("rev-parse", "HEAD") if top is not None and Path(top).resolve() == ROOT else None
+    assert meta["git_commit"] == commit
+    modified = _git("status", "--porcelain", "--untracked-files=no")
+    assert meta["git_tracked_files_modified"] == (None if commit is None else bool(modified))
+    assert meta["cpu_cores"] == os.cpu_count() and meta["cpu_cores"] >= 1
+    assert meta["cuda_version"] == torch.version.cuda
+    assert meta["cuda_driver_version"] is None  # a CPU run reads no driver
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = meta["triton"]  # another distribution name, or none
+    assert meta["triton"] == triton
+    # Outside a git checkout of this tree there is no commit to name, and no guess.
+    assert provenance.git_commit(tmp_path) == (None, None)
+    # On a GPU the driver comes from nvidia-smi, one line per GPU; without nvidia-smi it is None.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(provenance, "_run", lambda command, cwd=None: "570.1.2\n570.1.2")
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert provenance._driver_version(torch.device("cuda")) == "570.1.2"
+    assert provenance._driver_version(torch.device("cpu")) is None
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: None)
+    assert provenance._driver_version(torch.device("cuda")) is None
+
+
+def test_every_gafused_backend_can_be_asked_for(capsys) -> None:
+    import argparse
+
+    import run
+
+    cpu = torch.device("cpu")
+    assert [f"gafused-{b}" for b in gafused.ops.BACKENDS] == [n for n in providers.PROVIDERS if "gafused" in n]
+    timed = providers.provider_names(cpu)
+    for backend in gafused.ops.BACKENDS:
+        name = f"gafused-{backend}"
+        chosen = run._selected_providers(argparse.Namespace(providers=f"naive,{name}"), cpu)
+        message = capsys.readouterr().err
+        if name in timed:
+            assert chosen == ["naive", name] and message == ""
+            assert providers.unavailable_reason(name, cpu) is None
+        else:
+            # Asked for, not timed here: skipped with the reason, the rest still runs.
+            reason = providers.unavailable_reason(name, cpu)
+            assert chosen == ["naive"] and reason and f"{name} skipped on cpu: {reason}" in message
+    assert "gafused-foreach" in timed  # the CPU default backend is timed on CPU
+    with pytest.raises(SystemExit, match="unknown"):
+        run._selected_providers(argparse.Namespace(providers="gafused-nonexistent"), cpu)
+
+
+def test_summary_and_plots_name_the_backend_that_ran() -> None:
+    import plots
+    import summary
+
+    def results(default, backends):
+        rows = [
+            {"set": "many-small", "tensors": 3, "elements": 30, "grad_dtype": "fp32", "provider": f"gafused-{b}",
+             "backend": b, "moment": moment, "status": "ok", "median_ms": 1.0, "host_ms": 1.0, "launches": 3}
+            for b in backends for moment in ("middle", "last")
+        ]  # fmt: skip
+        meta = {"device_type": "cpu", "device": "CPU x", "gafused": "0", "torch": "0", "mode": "quick",
+                "date_utc": "2000-01-01T00:00:00+00:00", "default_backend": default}  # fmt: skip
+        return {"meta": meta, "micro": rows}
+
+    screen = " ".join(summary.render(results("foreach", ["reference", "foreach"]), []).split())
+    assert "default CPU backend, `foreach`" in screen and "also times `reference`" in screen
+    screen = " ".join(summary.render(results("reference", ["reference"]), []).split())
+    assert "default CPU backend, `reference`" in screen and "foreach" not in screen.split("MEMORY")[0]
+    # Results written before the meta recorded it: the end-to-end gafused row says which backend ran.
+    old = results(None, ["reference"])
+    old["e2e"] = {"rows": [{"recipe": "gafused", "backend": "reference"}]}
+    assert summary.default_backend(old) == "reference"
+    assert plots._backends(results("foreach", ["reference", "foreach"])["micro"]) == "reference and foreach backends"
+
+
+def test_memory_modes_are_the_ones_bench_readme_states() -> None:
+    import run
+
+    readme = (ROOT / "bench" / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| memory:"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    default, full = cells[2], cells[3]
+    assert f"quick={run.MEMORY_QUICK['default']}" in default
+    assert f"quick={run.MEMORY_QUICK['full']}" in full
+
+
+def _touch_fresh_pages(nbytes: int) -> None:
+    """Write one byte per page of a fresh anonymous mapping (small pages): a page fault per page."""
+    block = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        block.madvise(mmap.MADV_NOHUGEPAGE)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        block[offset] = 1
+    block.close()
+
+
+def test_timer_counts_first_touch_and_the_sweep_drops_those_rows(monkeypatch) -> None:
+    import kernels
+    import timing
+
+    timer = timing.Timer(torch.device("cpu"), budget_s=0.01, min_reps=3, max_reps=5, warmup=1)
+    if timer.measure(lambda: None).page_faults is None:
+        pytest.skip("this platform does not count page faults")
+    pages = 4 * kernels.FIRST_TOUCH_FAULTS
+    fresh = timer.measure(lambda: _touch_fresh_pages(pages * mmap.PAGESIZE))
+    assert fresh.page_faults >= pages
+    touched = torch.zeros(pages * mmap.PAGESIZE // 4)
+    assert timer.measure(lambda: touched.add_(1)).page_faults < kernels.FIRST_TOUCH_FAULTS
+
+    real_work = kernels._work
+
+    def work(op, buffer, grads, out, backend):
+        if op == "fold" and backend == "reference":
+            return lambda: _touch_fresh_pages(pages * mmap.PAGESIZE)
+        return real_work(op, buffer, grads, out, backend)
+
+    monkeypatch.setattr(kernels, "_work", work)
+    rows = kernels.run_kernel_sweep(torch.device("cpu"), "quick", timer)
+    dropped = [r for r in rows if r["status"] != "ok"]
+    assert {(r["backend"], r["op"]) for r in dropped} == {("reference", "fold")}
+    assert all(r["status"].startswith("dropped") and r["page_faults"] >= pages for r in dropped)
+    assert all(r["page_faults"] < kernels.FIRST_TOUCH_FAULTS for r in rows if r["status"] == "ok")
+    table = kernels.format_kernel_table(rows)
+    assert sum("reference  fold" in line and "dropped" in line for line in table.splitlines()) == len(dropped)
+
+
+def _ratio_range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}x"
+
+
+def test_the_readme_benchmark_figures_are_the_committed_results() -> None:
+    import summary
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Benchmarks") : readme.index("## Development")]
+    cited = section.split("Committed figures: `", 1)[1].split("`", 1)[0]
+    if not (ROOT / cited).exists() and not (ROOT / ".git").exists():
+        pytest.skip("bench/results ships with a source checkout, not the sdist")
+    results = json.loads((ROOT / cited).read_text())
+    meta = results["meta"]
+    assert meta["mode"] == "full" and meta["device_type"] == "cpu"
+    assert cited.removeprefix("bench/results/") in (ROOT / "bench" / "results" / "README.md").read_text()
+    flat = " ".join(section.split())
+    for table in summary.readme_tables(results).split("\n\n"):
+        assert table in section, "README's tables are `python bench/run.py --table` of the cited file"
+
+    rows = {(r["set"], r["grad_dtype"], r["moment"], r["provider"]): r for r in results["micro"]}
+    keys = sorted({key[:3] for key in rows})
+
+    def ratio(key, provider, baseline):
+        return rows[(*key, provider)]["median_ms"] / rows[(*key, baseline)]["median_ms"]
+
+    default = meta["default_backend"]
+    mine = f"gafused-{default}"
+    last = [ratio(k, mine, "naive") for k in keys if k[2] == "last"]
+    middle = [ratio(k, mine, "naive") for k in keys if k[2] == "middle"]
+    reference = [ratio(k, "gafused-reference", "naive") for k in keys]
+    faster = sum(rows[(*k, "foreach")]["median_ms"] < rows[(*k, mine)]["median_ms"] for k in keys)
+    faults = rows[("single-big", "bf16", "middle", "gafused-reference")]["page_faults"]
+    e2e = {row["recipe"].split(":")[0]: row for row in results["e2e"]["rows"]}
+    plain, ours = e2e["plain"], e2e["gafused"]
+    config = results["e2e"]["config"]
+    quoted = [
+        f"{meta['date_utc'][:10]}, N = {meta['accumulation_steps']}, git commit {meta['git_commit'][:7]}",
+        f"torch {meta['torch']}",
+        f'`backend="auto"` ran `{default}` there',
+        f"takes {_ratio_range(last)} `naive`'s time on last micro-batches and {_ratio_range(middle)} on middle",
+        f"faster than it on {faster} of the {len(keys)} rows",
+        f"The reference backend takes {_ratio_range(reference)} `naive`'s time",
+        f"({faults:.0f} page faults per middle micro-batch",
+        f"{config['parameters'] / 1e6:.2f}M-parameter GPT, sequence {config['seq_len']}",
+        f"gafused is {ours['ms_per_step'] / plain['ms_per_step'] - 1:.0%} slower than the plain PyTorch recipe",
+        f"({ours['ms_per_step']:.1f} ms against {plain['ms_per_step']:.1f} ms",
+    ]
+    for text in quoted:
+        assert text in flat, text
+    # What the words claim of those figures holds in the file.
+    assert min(last) > 1 and ours["ms_per_step"] > plain["ms_per_step"] and ours["backend"] == default
+    assert ours["q20_ms"] > plain["q80_ms"], "the README calls their quantile ranges apart"
+    if meta["git_tracked_files_modified"]:
+        assert "with uncommitted changes in the tree" in flat
