@@ -45,6 +45,20 @@ def _truth(model, windows, lr=0.1):
         sgd.step()
 
 
+def _explode(grad):
+    raise RuntimeError("hook failed")
+
+
+def _one_window_matches_the_truth(opt, model, reference, window):
+    """Train one whole window through opt.backward() and compare with plain PyTorch on the same window."""
+    for x in window:
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    _truth(reference, [window])
+    _assert_same(model, reference)
+
+
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_no_zero_grad_after_step_or_flush_does_not_leak_into_the_next_window(backend, loop):
     """The finished gradient stays readable as p.grad, and the next backward never adds into it."""
@@ -124,21 +138,13 @@ def test_exception_in_a_gradient_hook_discards_the_window_and_training_goes_on(b
     opt.backward(_loss(model, batches[0]), weight=2)
     opt.step()
 
-    def explode(grad):
-        raise RuntimeError("hook failed")
-
-    handle = model[0].weight.register_hook(explode)  # fires after later layers' buckets were folded
+    handle = model[0].weight.register_hook(_explode)  # fires after later layers' buckets were folded
     with pytest.raises(RuntimeError, match="hook failed") as raised:
         opt.backward(_loss(model, batches[1]), weight=2)
     handle.remove()
     assert "window was discarded" in "".join(raised.value.__notes__)
     assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
-    for x in batches[2:]:
-        opt.backward(_loss(model, x), weight=x.shape[0])
-        opt.step()
-    assert opt.stepped
-    _truth(reference, [batches[2:]])
-    _assert_same(model, reference)
+    _one_window_matches_the_truth(opt, model, reference, batches[2:])
 
 
 def test_backward_that_fails_before_any_fold_changes_nothing(backend):
@@ -162,20 +168,12 @@ def test_backward_that_fails_midway_before_any_fold_leaves_no_partial_gradient(b
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
     batches = _batches(3)
 
-    def explode(grad):
-        raise RuntimeError("hook failed")
-
-    handle = model[0].weight.register_hook(explode)
+    handle = model[0].weight.register_hook(_explode)
     with pytest.raises(RuntimeError, match="hook failed"):
         opt.backward(_loss(model, batches[0]), weight=batches[0].shape[0])
     handle.remove()
     assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
-    for x in batches[1:]:
-        opt.backward(_loss(model, x), weight=x.shape[0])
-        opt.step()
-    assert opt.stepped
-    _truth(reference, [batches[1:]])
-    _assert_same(model, reference)
+    _one_window_matches_the_truth(opt, model, reference, batches[1:])
 
 
 def test_second_backward_refused_by_autograd_keeps_the_window_and_the_micro_batch(backend):
@@ -206,10 +204,7 @@ def test_failed_backward_drops_held_gradients_it_changed_and_says_so(backend):
     _loss(model, x1).backward()
     held = [p.grad.clone() for p in model.parameters()]
 
-    def explode(grad):
-        raise RuntimeError("hook failed")
-
-    handle = model[0].weight.register_hook(explode)
+    handle = model[0].weight.register_hook(_explode)
     with pytest.raises(RuntimeError, match="hook failed") as raised:
         opt.backward(_loss(model, x2), weight=1)
     handle.remove()
