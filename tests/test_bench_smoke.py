@@ -357,12 +357,16 @@ def test_timer_counts_first_touch_and_the_sweep_drops_those_rows(monkeypatch) ->
 
     monkeypatch.setattr(kernels, "_work", work)
     rows = kernels.run_kernel_sweep(torch.device("cpu"), "quick", timer)
+    # Only the injected rows are sure to fault: a real op may fault too when the allocator hands its temporaries
+    # back to the OS between calls, which depends on what ran before in this process (the whole suite, say).
+    injected = [r for r in rows if (r["backend"], r["op"]) == ("reference", "fold")]
+    assert injected and all(r["status"].startswith("dropped") and r["page_faults"] >= pages for r in injected)
     dropped = [r for r in rows if r["status"] != "ok"]
-    assert {(r["backend"], r["op"]) for r in dropped} == {("reference", "fold")}
-    assert all(r["status"].startswith("dropped") and r["page_faults"] >= pages for r in dropped)
+    assert all(r["status"].startswith("dropped") and r["page_faults"] >= kernels.FIRST_TOUCH_FAULTS for r in dropped)
     assert all(r["page_faults"] < kernels.FIRST_TOUCH_FAULTS for r in rows if r["status"] == "ok")
     table = kernels.format_kernel_table(rows)
-    assert sum("reference  fold" in line and "dropped" in line for line in table.splitlines()) == len(dropped)
+    dropped_lines = [line.split() for line in table.splitlines() if "dropped" in line]
+    assert sorted((words[1], words[2]) for words in dropped_lines) == sorted((r["backend"], r["op"]) for r in dropped)
 
 
 def _ratio_range(values: list[float]) -> str:
