@@ -83,9 +83,8 @@ class _Group:
     finished: torch.Tensor | None = None
     # The views handed out as p.grad by the last inner step; released before the next backward adds to them.
     published: list[torch.Tensor | None] | None = None
-    # Their version counters once the inner step (and its post-hooks) returned: a view changed in place since holds
-    # a new gradient added to the finished one (a parameter that did not require grad then has no release hook).
-    published_versions: list[int | None] | None = None
+    # Whether each published view has a release hook (its parameter required grad when it was handed out).
+    hooked: list[bool] = field(default_factory=list)
     # Buckets folded in the open micro-batch (the first fold of a window's first micro-batch overwrites).
     bucket_touched: list[bool] = field(default_factory=list)
     # (sum of squares, non-finite flag) of each bucket finished during the last micro-batch of a window.
@@ -186,6 +185,7 @@ class GradAccumulator(torch.optim.Optimizer):
             ``sum(w_i * g_i) / sum(w_i)``, for losses mean-reduced over their own micro-batch. ``"sum"``: the plain
             sum ``sum(w_i * g_i)`` (weights default to 1), for losses a framework already normalized over the
             whole window (transformers' ``num_items_in_batch``); with ``model=`` the sum runs over the ranks too.
+            May be changed between windows (the ``normalization`` property).
     """
 
     def __init__(
@@ -219,9 +219,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 raise TypeError(f"optimizer: {unsupported.__name__} cannot be wrapped: {why}")
         self.accumulation_steps = accumulation_steps  # checked by the property setters below
         self.max_grad_norm = max_grad_norm
-        if not isinstance(normalization, str) or normalization not in _NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {normalization!r}")
-        self.normalization: str = normalization
+        self.normalization = normalization
         if accum_dtype not in ACCUM_DTYPES:
             raise ValueError(f"accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype!r}")
         if not isinstance(backend, str) or backend not in _BACKEND_CHOICES:
@@ -308,8 +306,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._rank_flags: torch.Tensor | None = None
         self._model_hook: torch.utils.hooks.RemovableHandle | None = None
         if model is not None:
-            # FSDP2 assigns gradients without autograd's tensor hooks: release published ones before a forward.
-            self._model_hook = model.register_forward_pre_hook(_release_published_before_forward(self))
+            self._model_hook = model.register_forward_pre_hook(_before_model_forward(self))
         sync.attach()  # last: a refused construction leaves the model's own synchronization as it was
         self._attached = True
         # Finished gradients an earlier accumulator over these parameters handed out are views of its buffers, not
@@ -400,6 +397,23 @@ class GradAccumulator(torch.optim.Optimizer):
                 "window could never end; flush() it first"
             )
         self._accumulation_steps = steps
+
+    @property
+    def normalization(self) -> str:
+        """``"mean"`` or ``"sum"`` (see the constructor); may be changed between windows."""
+        return self._normalization
+
+    @normalization.setter
+    def normalization(self, value: str) -> None:
+        if not isinstance(value, str) or value not in _NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {value!r}")
+        current = getattr(self, "_normalization", value)
+        if value != current and (getattr(self, "micro_step", 0) or getattr(self, "_micro", None) is not None):
+            raise RuntimeError(
+                f"normalization: the open window is accumulated to be finished as {current!r}; change it between "
+                "windows (after the window's last step(), or after flush())"
+            )
+        self._normalization = value
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -527,7 +541,6 @@ class GradAccumulator(torch.optim.Optimizer):
                 "reduced across ranks as they are folded): sum the losses and call backward() once"
             )
         self._check_lr_unchanged()
-        self._check_published_unchanged()  # before _release_published() drops them
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         if micro is None and self._sync.weight_in_loss:
@@ -539,8 +552,13 @@ class GradAccumulator(torch.optim.Optimizer):
             loss = loss * w.to(loss_dtype)
         elif micro is not None and self._sync.weight_in_loss:
             loss = loss * micro.weight.to(loss.dtype)
-        self._release_published()
+        # The last step's finished gradients are dropped before autograd runs (no bucket may take one for a new
+        # gradient), but kept, with their release hooks, until this call has folded something: a call that fails
+        # before that puts them back.
+        published = [(group.published, group.finished) for group in self._groups]
+        self._drop_published()
         opened = micro is None
+        ended_before = None if opened else micro.ends_window
         if opened:
             micro = self._open_micro_batch(weight, w, bad, end_window)
         elif end_window:
@@ -557,6 +575,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._sync.after_backward()
             self._hooks.stop()
             self._fold_held_buckets(self._held_grads())
+            self._remove_published_hooks()
         except BaseException as error:
             self._hooks.stop(learn=False)
             if micro.folded_in_call:
@@ -573,8 +592,11 @@ class GradAccumulator(torch.optim.Optimizer):
                         f"gafused: {changed} gradient(s) held from an earlier loss.backward() were added to in place "
                         "by the failed call and were dropped",
                     )
+                self._restore_published(published)
                 if opened:
                     self._micro = None
+                else:
+                    micro.ends_window = ended_before
             raise
         micro.folded = micro.folded or micro.folded_in_call
 
@@ -1106,7 +1128,6 @@ class GradAccumulator(torch.optim.Optimizer):
 
         A ``p.grad`` that is still the view an inner step was handed is not a new gradient: it counts as None.
         """
-        self._check_published_unchanged()
         held = []
         for group in self._groups:
             grads = [param.grad for param in group.params]
@@ -1117,37 +1138,48 @@ class GradAccumulator(torch.optim.Optimizer):
             held.append(ops.check_grads(group.buffer, grads, group.names))
         return held
 
-    def _check_published_unchanged(self) -> None:
-        """Refuse a finished gradient handed to the inner step that was changed in place since: a backward added
-        to it (its parameter did not require grad when it was handed out, so no hook released it first). It holds
-        the old window's gradient plus the new one, which cannot be separated."""
-        for group in self._groups:
-            versions = group.published_versions
-            if versions is None:
-                continue
-            for index, (param, version) in enumerate(zip(group.params, versions, strict=True)):
-                grad = param.grad
-                if version is not None and grad is group.published[index] and grad._version != version:
-                    raise RuntimeError(
-                        f"{group.names[index]}: p.grad is the finished gradient the last optimizer step was given, "
-                        "changed in place since (a backward added to it, the parameter not requiring grad when "
-                        "it was handed out); call zero_grad() after each optimizer step, before unfreezing a "
-                        "parameter, and run this micro-batch's backward again"
-                    )
-
     def _release_published(self) -> None:
         """Drop the finished gradients handed to the last inner step, so no backward adds into the buffer."""
+        self._remove_published_hooks()
+        self._drop_published()
+
+    def _remove_published_hooks(self) -> None:
         for handle in self._published_hooks:
             handle.remove()
         self._published_hooks.clear()
+
+    def _drop_published(self) -> None:
+        """Set every ``p.grad`` that is still a published view to None and forget the views (hooks stay)."""
         for group in self._groups:
             if group.published is not None:
                 for index, param in enumerate(group.params):
                     if _is_published(group, index, param.grad):
                         param.grad = None
                 group.published = None
-                group.published_versions = None
             group.finished = None
+
+    def _restore_published(self, published: list[tuple[list[torch.Tensor | None] | None, torch.Tensor | None]]) -> None:
+        """Undo ``_drop_published`` after a backward() that failed before folding anything (its hooks are still
+        registered): each view is ``p.grad`` again where ``p.grad`` is None."""
+        for group, (views, finished) in zip(self._groups, published, strict=True):
+            group.published, group.finished = views, finished
+            for param, view in zip(group.params, views or (), strict=False):
+                if view is not None and param.grad is None:
+                    param.grad = view
+
+    def _release_unhooked(self) -> None:
+        """After the inner step: drop the finished gradients of parameters that did not require grad when they
+        were handed out. No hook can release them before a backward (once they are unfrozen) would add into them,
+        in place or, with ``create_graph``, into a new tensor that could not be told from a new gradient."""
+        for group in self._groups:
+            if group.published is None:
+                continue
+            for index, param in enumerate(group.params):
+                view = group.published[index]
+                if view is not None and not group.hooked[index]:
+                    if param.grad is view:
+                        param.grad = None
+                    group.published[index] = None
 
     def _start_window(self) -> None:
         self._sync.window_started()
@@ -1248,11 +1280,11 @@ class GradAccumulator(torch.optim.Optimizer):
             self._update_grad_scaler(found_inf)
         self.stepped = True
         self.micro_step = 0
-        for post_hook in list(self._optimizer_step_post_hooks.values()):
-            post_hook(self, (), {})
-        for group in self._groups:
-            if group.published is not None:
-                group.published_versions = [None if view is None else view._version for view in group.published]
+        try:
+            for post_hook in list(self._optimizer_step_post_hooks.values()):
+                post_hook(self, (), {})
+        finally:
+            self._release_unhooked()
 
     def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor | None:
         """The factor ``clip_grad_norm_`` would scale the finished gradient by, or None without clipping."""
@@ -1340,7 +1372,9 @@ class GradAccumulator(torch.optim.Optimizer):
         """Apply the clip coefficient and hand the finished gradient to the inner optimizer as ``p.grad``.
 
         Each ``p.grad`` is a view of the buffer (or of its cast copy) with ``p``'s strides. A hook releases it
-        before the next backward would add into it; until then it can be read, as plain PyTorch's can.
+        before the next backward would add into it; until then it can be read, as plain PyTorch's can. A
+        parameter that does not require grad now can take no hook: its view is released once the inner step and
+        the step post-hooks returned (``_release_unhooked``).
         """
         buffer = group.buffer
         group_coef = None if coef is None else coef.to(buffer.device, non_blocking=True)
@@ -1354,15 +1388,17 @@ class GradAccumulator(torch.optim.Optimizer):
             ops.scale_(buffer, one if group_coef is None else group_coef, out=group.finished, backend=group.backend)
             source = group.finished
         published: list[torch.Tensor | None] = []
+        hooked: list[bool] = []
         for index, (param, had_grad) in enumerate(zip(group.params, group.had_grad, strict=True)):
             # A parameter with no gradient in the whole window keeps None, as plain PyTorch would.
             view = self._sync.wrap_grad(param, buffer.view(index, source)) if had_grad else None
             param.grad = view
             published.append(view)
-            if view is not None and param.requires_grad:
+            hooked.append(view is not None and param.requires_grad)
+            if hooked[-1]:
                 self._published_hooks.append(param.register_hook(_release_before_accumulation(param, view)))
         group.published = published
-        group.published_versions = None
+        group.hooked = hooked
 
     def _discard_window(self) -> None:
         self._drop_reductions()
@@ -1625,14 +1661,18 @@ def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:
     return grad is not None and group.published is not None and grad is group.published[index]
 
 
-def _release_published_before_forward(owner: GradAccumulator):
-    """A forward pre-hook for ``model``: drop the published gradients before a new forward (FSDP2 writes
-    gradients without the tensor hooks that release them otherwise)."""
+def _before_model_forward(owner: GradAccumulator):
+    """A forward pre-hook for ``model``: keep the wrapper's own gradient synchronization off (DDP decides at its
+    forward), and drop the published gradients (FSDP2 writes gradients without the tensor hooks that release
+    them otherwise)."""
     owner_ref = weakref.ref(owner)
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         accumulator = owner_ref()
-        if accumulator is not None and accumulator._published_hooks:
+        if accumulator is None:
+            return
+        accumulator._sync.before_forward()
+        if accumulator._published_hooks:
             accumulator._release_published()
 
     return hook

@@ -100,7 +100,9 @@ class Sync:
         return None
 
     def detach(self) -> None:
-        """Hand the wrapper's gradient synchronization back as attach() found it (the accumulator is gone)."""
+        """Hand the wrapper's gradient synchronization back (the accumulator is gone): in the state the wrapper
+        keeps outside its own context managers (DDP: synchronizing; inside ``no_sync()``, whose exit restores its
+        saved value anyway, that is on until the block ends)."""
         return None
 
     def same_model(self, other: Sync) -> bool:
@@ -114,6 +116,10 @@ class Sync:
 
     def window_ended(self) -> None:
         """A window's gradients were reduced across ranks."""
+        return None
+
+    def before_forward(self) -> None:
+        """The wrapped model's forward is about to run (a forward pre-hook)."""
         return None
 
     def before_backward(self, last: bool) -> None:
@@ -142,10 +148,15 @@ class DDPSync(Sync):
         self._attached = False
 
     def attach(self) -> None:
-        # Off while the accumulator lives: the window's micro-batches send nothing; DDP's no_sync() restores this
-        # value on exit.
+        # Off while the accumulator lives: the window's micro-batches send nothing.
         self._model.require_backward_grad_sync = False
         self._attached = True
+
+    def before_forward(self) -> None:
+        # DDP decides at its forward whether the backward all-reduces. Off again before each one: the exit of a
+        # no_sync() block entered before the accumulator was built restores the value it saw then (on).
+        if self._attached:
+            self._model.require_backward_grad_sync = False
 
     def detach(self) -> None:
         if self._attached:

@@ -160,6 +160,7 @@ def run_case(
     driven: str | None = None,
     normalization: str = "mean",
     sync_off_once: bool = False,
+    built_in_no_sync: bool = False,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
@@ -169,22 +170,24 @@ def run_case(
     ``"step"``. ``normalization="sum"``: each loss is divided by the window's tokens over every rank and given
     no weight, as transformers' ``num_items_in_batch`` does. ``sync_off_once``: FSDP2's
     ``set_requires_gradient_sync(False)`` once, after building; ``opt.backward()`` turns it on for each window's
-    last micro-batch only (``reduce_grads`` in the result: FSDP's flags after each window).
+    last micro-batch only (``reduce_grads`` in the result: FSDP's flags after each window). ``built_in_no_sync``:
+    the accumulator is built inside DDP's ``no_sync()``, whose exit turns DDP's own all-reduce back on.
     """
     import gafused
 
     def build(state: dict[str, Any] | None = None) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
         model = _wrap(kind, rank, bucket_view)
         inner = torch.optim.SGD(model.parameters(), lr=LR)
-        opt = gafused.GradAccumulator(
-            inner,
-            None if driven else N,
-            max_grad_norm=MAX_NORM,
-            bucket_bytes=BUCKET_BYTES,
-            model=model if pass_model else None,
-            reduce_dtype=reduce_dtype,
-            normalization=normalization,
-        )
+        with model.no_sync() if built_in_no_sync else contextlib.nullcontext():
+            opt = gafused.GradAccumulator(
+                inner,
+                None if driven else N,
+                max_grad_norm=MAX_NORM,
+                bucket_bytes=BUCKET_BYTES,
+                model=model if pass_model else None,
+                reduce_dtype=reduce_dtype,
+                normalization=normalization,
+            )
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
@@ -306,6 +309,8 @@ CASES: dict[str, dict[str, Any]] = {
         "sync_off_once": True,
     },
     # Losses normalized over the whole window (every rank's tokens), accumulated as a plain sum.
+    "ddp-step-built_in_no_sync": {"kind": "ddp", "loop": "step", "built_in_no_sync": True},
+    "ddp-backward-built_in_no_sync": {"kind": "ddp", "loop": "backward", "built_in_no_sync": True},
     "ddp-backward-sum": {"kind": "ddp", "loop": "backward", "normalization": "sum"},
     "ddp-step-sum": {"kind": "ddp", "loop": "step", "normalization": "sum"},
     "fsdp-backward-sum": {"kind": "fsdp", "loop": "backward", "normalization": "sum"},

@@ -216,38 +216,116 @@ def test_failed_backward_drops_held_gradients_it_changed_and_says_so(backend):
     assert opt.micro_step == 0
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize("loop", ["step", "backward"])
-def test_gradient_added_into_a_finished_gradient_of_a_frozen_parameter_is_refused(backend, loop):
-    """A parameter frozen when the window's finished gradient is handed out has no hook to release it; unfrozen
-    without zero_grad(), the next plain backward adds into that view in place. The sum of the old and the new
-    gradient cannot be taken apart: the next step() (or backward()) refuses it, naming the parameter."""
+def test_a_parameter_frozen_when_the_window_ends_gets_its_finished_gradient_for_the_step_only(
+    backend, loop, create_graph
+):
+    """A parameter frozen when the finished gradient is handed out can take no release hook: unfrozen without
+    zero_grad(), a plain backward would add into that view (in place, or with create_graph into a new tensor that
+    looks like a new gradient). Its p.grad is released once the inner step returned, so the next window holds the
+    new gradients only."""
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
     x1, x2, x3, x4 = _batches(4)
+    seen = []
+    opt.register_step_post_hook(lambda *_: seen.append(model[2].weight.grad is not None))
     _loss(model, x1).backward()
     opt.step(weight=x1.shape[0])
     model[2].weight.requires_grad_(False)
     _loss(model, x2).backward()
     opt.step(weight=x2.shape[0])
-    assert opt.stepped and model[2].weight.grad is not None  # handed out, no release hook
+    assert opt.stepped and seen == [True]  # the inner step and its post-hooks had it
+    assert model[2].weight.grad is None and model[0].weight.grad is not None
     model[2].weight.requires_grad_(True)
-    _loss(model, x3).backward()  # adds into the finished gradient in place
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"params'\]\[2\].*changed in place since"):
-        if loop == "step":
-            opt.step(weight=x3.shape[0])
-        else:
-            opt.backward(_loss(model, x4), weight=x4.shape[0])
-    assert opt.micro_step == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    opt.zero_grad()
     reference = copy.deepcopy(model)
-    for x in (x3, x4):
-        opt.backward(_loss(model, x), weight=x.shape[0])
+    _loss(model, x3).backward(create_graph=create_graph)
+    if loop == "step":
+        opt.step(weight=x3.shape[0])
+        _loss(model, x4).backward(create_graph=create_graph)
+        opt.step(weight=x4.shape[0])
+    else:
+        opt.step(weight=x3.shape[0])
+        opt.backward(_loss(model, x4), weight=x4.shape[0], create_graph=create_graph)
         opt.step()
     assert opt.stepped
     _truth(reference, [[x3, x4]])
     _assert_same(model, reference)
+
+
+@pytest.mark.parametrize("change", ["scaled", "zeroed"])
+def test_a_finished_gradient_changed_in_place_is_neither_refused_nor_folded(backend, change):
+    """The finished gradients are views of one buffer; changing one in place (scaling it for a log, or
+    model.zero_grad(set_to_none=False)) touches only the finished window: the next window is exact."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x1, x2, x3, x4 = _batches(4)
+    for x in (x1, x2):
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    if change == "scaled":
+        model[2].weight.grad.mul_(0.5)
+    else:
+        model.zero_grad(set_to_none=False)
+    _truth(reference, [[x1, x2]])
+    _one_window_matches_the_truth(opt, model, reference, [x3, x4])
+
+
+def test_backward_that_fails_before_any_fold_keeps_the_finished_gradients(backend):
+    """The finished gradients stay readable until a backward folds something: one that autograd refuses leaves
+    them as p.grad, released by the next backward's hooks as usual."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x1, x2, x3, x4 = _batches(4)
+    for x in (x1, x2):
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    finished = [p.grad for p in model.parameters()]
+    values = [grad.clone() for grad in finished]
+    with pytest.raises(RuntimeError):
+        opt.backward(torch.ones((), dtype=torch.float64))  # no graph: autograd refuses
+    assert all(p.grad is grad for p, grad in zip(model.parameters(), finished, strict=True))
+    assert all(torch.equal(grad, value) for grad, value in zip(finished, values, strict=True))
+    _truth(reference, [[x1, x2]])
+    _one_window_matches_the_truth(opt, model, reference, [x3, x4])
+
+
+def test_failed_backward_with_end_window_does_not_end_the_window(backend):
+    """end_window given to a second backward() of the micro-batch that autograd refuses: the micro-batch ends at
+    step() as it was opened (not the window's last), and the counted window goes on."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    x1, x2, x3 = _batches(3)
+    out = model(x1)
+    opt.backward(out.square().mean(), weight=x1.shape[0], retain_graph=False)
+    with pytest.raises(RuntimeError, match="second time"):
+        opt.backward(out.abs().mean(), end_window=True)  # the graph was freed
+    opt.step()
+    assert opt.micro_step == 1 and not opt.stepped
+    for x in (x2, x3):
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    _truth(reference, [[x1, x2, x3]])
+    _assert_same(model, reference)
+
+
+def test_normalization_is_checked_and_kept_for_the_open_window():
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        opt.normalization = "Mean"
+    x1, x2 = _batches(2)
+    opt.backward(_loss(model, x1))
+    opt.step()
+    with pytest.raises(RuntimeError, match="normalization: the open window"):
+        opt.normalization = "sum"
+    assert opt.normalization == "mean"
+    opt.backward(_loss(model, x2))
+    opt.step()
+    opt.normalization = "sum"  # between windows
+    assert opt.normalization == "sum"
 
 
 def test_a_new_accumulator_does_not_fold_the_old_ones_finished_gradients_again(backend):
