@@ -240,11 +240,13 @@ class _Masked(torch.utils.data.Dataset):
         return self.items[index]
 
 
-def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path, compiled: bool) -> None:
     """BertForMaskedLM's forward takes **kwargs, and its loss_type ("ForMaskedLM") names a loss that takes
     num_items_in_batch, but the head computes CrossEntropyLoss() itself: a mean over its own micro-batch's masked
     tokens, whatever Trainer passes. GafusedTrainer weighs the means by their tokens: one window of 4 one-sequence
-    micro-batches (SGD, lr 1, no clipping) must step by the token-weighted mean gradient, computed here in float64."""
+    micro-batches (SGD, lr 1, no clipping) must step by the token-weighted mean gradient, computed here in float64.
+    Under torch.compile (whose wrapper's forward is only *args, **kwargs) the head's own forward is the one read."""
     config = transformers.BertConfig(
         vocab_size=cases.VOCAB,
         hidden_size=16,
@@ -274,8 +276,14 @@ def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path
 
     def build(cls: type) -> transformers.Trainer:
         return cls(
-            model=model,
-            args=cases._arguments(str(tmp_path), learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant"),
+            model=torch.compile(model, backend="eager") if compiled else model,
+            args=cases._arguments(
+                str(tmp_path),
+                learning_rate=1.0,
+                max_grad_norm=0.0,
+                lr_scheduler_type="constant",
+                remove_unused_columns=not compiled,  # Trainer reads the columns off the wrapper's forward
+            ),
             train_dataset=data,
             data_collator=lambda items: {key: torch.stack([item[key] for item in items]) for key in items[0]},
         )
@@ -327,6 +335,59 @@ class DelegatingForMaskedLM(_Head):
 class OwnForSequenceClassification(_Head):
     def forward(self, x, labels=None, **kwargs):
         return self.loss_function(self.score(x), labels, config=self.config, **kwargs)
+
+
+def test_a_causal_head_with_its_own_unshifted_loss_counts_every_label(tmp_path: Path) -> None:
+    """BartForCausalLM declares loss_type="ForCausalLM" (Trainer would count labels[..., 1:]) but its forward
+    scores every label with CrossEntropyLoss(): each micro-batch's weight is all of its labels that are not -100."""
+    config = transformers.BartConfig(
+        vocab_size=cases.VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        is_decoder=True,
+        is_encoder_decoder=False,
+    )
+    model = transformers.BartForCausalLM(config)
+    assert model.loss_type == "ForCausalLM"
+    assert _trainer(tmp_path, transformers.Trainer, model=model)._loss_shifts_labels  # Trainer's rule
+    trainer = _trainer(tmp_path, model=model)
+    assert trainer.model_accepts_loss_kwargs is False and trainer._loss_shifts_labels is False
+    labels = torch.tensor([[5, 6, -100, 7], [8, -100, -100, -100]])
+    assert int(trainer.loss_items({"labels": labels})) == 4  # the first label counts: it is scored
+
+
+class OwnShiftingForCausalLM(_Head):
+    def forward(self, x, labels=None, **kwargs):
+        logits = self.score(x)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+@pytest.mark.parametrize(
+    ("head", "shifts"),
+    [(OwnForMaskedLM, False), (OwnShiftingForCausalLM, True), (LossFunctionForMaskedLM, None)],
+)
+def test_an_own_loss_is_counted_over_the_labels_its_forward_keeps(head: type, shifts: bool | None) -> None:
+    """After the shift only when the forward slices labels from 1; None (Trainer's rule) for transformers' loss."""
+    from gafused.integrations.transformers import _own_loss_shifts_labels
+
+    assert _own_loss_shifts_labels(head.forward) is shifts
+
+
+def test_an_unreadable_forward_keeps_trainers_decision() -> None:
+    """A forward whose __wrapped__ chain is a cycle (inspect.unwrap raises ValueError) cannot be read."""
+    from gafused.integrations.transformers import _forward_loss
+
+    def forward(self, x, labels=None, **kwargs):
+        return x
+
+    forward.__wrapped__ = forward
+    assert _forward_loss(forward) == "unknown"
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,9 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   T5's, Bart's, Whisper's: the forward never calls ``self.loss_function``, whatever its ``loss_type``). For such a
   model (no ``accepts_loss_kwargs`` declared; the forward is read from its source, ``_forward_loss``) GafusedTrainer
   sets ``model_accepts_loss_kwargs = False``, so its losses are weighed as the per-micro-batch means they are; plain
-  Trainer sums them (``gradient_accumulation_steps`` times too large).
+  Trainer sums them (``gradient_accumulation_steps`` times too large). A loss the head computes itself is counted
+  over the labels its forward keeps (after the shift only if the forward slices ``labels`` from 1), whatever its
+  ``loss_type`` says. The model read is the one under ``torch.compile``'s and PEFT's wrappers.
 - Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
@@ -135,7 +137,9 @@ class GafusedTrainer(transformers.Trainer):
         # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
         # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
         # the means. Its loss is what it is, so it is weighed as one (see module docstring).
-        if self.model_accepts_loss_kwargs and _loss_ignores_item_count(unwrap_peft_model(self.model)):
+        # The model whose forward computes the loss: torch.compile's and PEFT's wrappers removed.
+        inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        if self.model_accepts_loss_kwargs and _loss_ignores_item_count(inspected):
             self.model_accepts_loss_kwargs = False
         self._sums = self._loss_normalized_over_window()
         if self._sums and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
@@ -145,7 +149,11 @@ class GafusedTrainer(transformers.Trainer):
                 "average_tokens_across_devices=True"
             )
         # Count a causal LM's loss items after the shift whenever its loss shifts the labels (see module docstring).
-        self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(unwrap_peft_model(self.model))
+        own = _own_loss_shifts_labels(type(inspected).forward)
+        if own is not None:
+            self._loss_shifts_labels = own
+        else:
+            self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
         self.accumulator: GradAccumulator | None = None
         self._window_micro_batches = 1
         self._norm: torch.Tensor | None = None
@@ -389,12 +397,8 @@ def _forward_loss(forward: Any) -> str:
     or ``**kwargs`` parameter, or ``labels`` handed on with ``**kwargs`` (to a submodule or ``super().forward``,
     whose loss may use the count).
     """
-    try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))
-        function = ast.parse(source).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return "unknown"
-    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+    function = _parsed(forward)
+    if function is None:
         return "unknown"
     arguments = function.args
     named = {argument.arg for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
@@ -416,6 +420,36 @@ def _forward_loss(forward: Any) -> str:
             if any(isinstance(name, ast.Name) and name.id == "labels" for value in given for name in ast.walk(value)):
                 return "unknown"
     return "own"
+
+
+def _parsed(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of ``function`` (decorators unwrapped), or None when its source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+        tree = ast.parse(source).body[0]
+    except (OSError, TypeError, ValueError, SyntaxError, IndexError):  # ValueError: a cycle of __wrapped__
+        return None
+    return tree if isinstance(tree, ast.FunctionDef | ast.AsyncFunctionDef) else None
+
+
+def _own_loss_shifts_labels(forward: Any) -> bool | None:
+    """For a forward that computes its loss itself (``_forward_loss`` says "own"): whether it drops each
+    sequence's first label (slices ``labels`` from 1, as ``labels[:, 1:]``); None for any other forward.
+
+    Such a loss is a mean over the labels it keeps, whatever ``loss_type`` says (BartForCausalLM's
+    ``CrossEntropyLoss()`` over every label, under ``loss_type="ForCausalLM"``)."""
+    if _forward_loss(forward) != "own":
+        return None
+    function = _parsed(forward)
+    for node in ast.walk(function):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "labels":
+            pieces = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if any(
+                isinstance(piece, ast.Slice) and isinstance(piece.lower, ast.Constant) and piece.lower.value == 1
+                for piece in pieces
+            ):
+                return True
+    return False
 
 
 def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
