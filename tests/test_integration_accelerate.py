@@ -391,6 +391,27 @@ def test_a_block_without_backward_changes_nothing(fresh_accelerate, loop: str, e
     _assert_matches(accelerator.unwrap_model(model), reference)
 
 
+@pytest.mark.parametrize("weight", [None, 0.0])
+def test_a_block_that_steps_without_backward_is_a_micro_batch_without_gradients(fresh_accelerate, weight) -> None:
+    """optimizer.step() in a block that ran no backward ends a micro-batch with no gradients: of weight 1 by
+    default, so it counts in the window's mean (micro-batches 0 and 2 weigh 1 and 3: their mean times 4 / 5, the
+    same step as the mean at 4 / 5 of the learning rate), and left out with weight=0."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=3, batches=3)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            if index == 1:
+                optimizer.step() if weight is None else optimizer.step(weight=weight)
+            else:
+                _micro_batch(accelerator, model, optimizer, batch, index, "accelerator.backward")
+            optimizer.zero_grad()
+    assert optimizer.stepped and optimizer.micro_step == 0
+    lr = 0.1 * 4 / 5 if weight is None else 0.1
+    _assert_matches(accelerator.unwrap_model(model), _reference_windows(initial, batches, [[0, 2]], [lr]))
+
+
 def test_a_refused_step_changes_nothing(fresh_accelerate) -> None:
     """A step() refused for its weight leaves the micro-batch's gradients where they were: the loop may drop them
     (zero_grad) and go on, and the next windows fold and step as plain PyTorch does without that micro-batch."""
