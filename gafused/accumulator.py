@@ -552,11 +552,9 @@ class GradAccumulator(torch.optim.Optimizer):
             loss = loss * w.to(loss_dtype)
         elif micro is not None and self._sync.weight_in_loss:
             loss = loss * micro.weight.to(loss.dtype)
-        # The last step's finished gradients are dropped before autograd runs (no bucket may take one for a new
-        # gradient), but kept, with their release hooks, until this call has folded something: a call that fails
-        # before that puts them back.
-        published = [(group.published, group.finished) for group in self._groups]
-        self._drop_published()
+        # The last step's finished gradients go before autograd runs: no bucket may take one for a new gradient,
+        # and a cast copy's memory is free for this backward (also when the call fails).
+        self._release_published()
         opened = micro is None
         ended_before = None if opened else micro.ends_window
         if opened:
@@ -575,7 +573,6 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._sync.after_backward()
             self._hooks.stop()
             self._fold_held_buckets(self._held_grads())
-            self._remove_published_hooks()
         except BaseException as error:
             self._hooks.stop(learn=False)
             if micro.folded_in_call:
@@ -592,7 +589,6 @@ class GradAccumulator(torch.optim.Optimizer):
                         f"gafused: {changed} gradient(s) held from an earlier loss.backward() were added to in place "
                         "by the failed call and were dropped",
                     )
-                self._restore_published(published)
                 if opened:
                     self._micro = None
                 else:
@@ -1140,16 +1136,9 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _release_published(self) -> None:
         """Drop the finished gradients handed to the last inner step, so no backward adds into the buffer."""
-        self._remove_published_hooks()
-        self._drop_published()
-
-    def _remove_published_hooks(self) -> None:
         for handle in self._published_hooks:
             handle.remove()
         self._published_hooks.clear()
-
-    def _drop_published(self) -> None:
-        """Set every ``p.grad`` that is still a published view to None and forget the views (hooks stay)."""
         for group in self._groups:
             if group.published is not None:
                 for index, param in enumerate(group.params):
@@ -1157,15 +1146,6 @@ class GradAccumulator(torch.optim.Optimizer):
                         param.grad = None
                 group.published = None
             group.finished = None
-
-    def _restore_published(self, published: list[tuple[list[torch.Tensor | None] | None, torch.Tensor | None]]) -> None:
-        """Undo ``_drop_published`` after a backward() that failed before folding anything (its hooks are still
-        registered): each view is ``p.grad`` again where ``p.grad`` is None."""
-        for group, (views, finished) in zip(self._groups, published, strict=True):
-            group.published, group.finished = views, finished
-            for param, view in zip(group.params, views or (), strict=False):
-                if view is not None and param.grad is None:
-                    param.grad = view
 
     def _release_unhooked(self) -> None:
         """After the inner step: drop the finished gradients of parameters that did not require grad when they
