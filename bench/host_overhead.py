@@ -13,6 +13,8 @@ Rows (``rows()``) measure, per backend that runs on the device:
 - ``fold_ check=False``: the same without the check: dispatch and backend alone;
 - ``step``: a whole ``GradAccumulator.step()`` in the middle of a window (gather ``p.grad``, check, fold,
   release the gradients), over a no-op inner optimizer.
+Two rows of no backend give the part of ``step`` that is Python per parameter, whatever the backend:
+``read p.grad`` (``[p.grad for p in params]``) and ``release p.grad`` (``p.grad = None`` for each).
 Each row gives the median and 20/80% quantiles in microseconds and the ratio to the baseline's median.
 Timings use ``time.perf_counter`` around each call, the cases' samples interleaved; the gradients are handed
 back to the parameters untimed before every ``step`` sample, as backward would.
@@ -78,6 +80,21 @@ def rows(
     cases: list[tuple[str, str, Callable[[], object], Callable[[], object] | None]] = [
         ("torch._foreach_add_", "-", lambda: torch._foreach_add_(main_grads, grads), None)
     ]
+    # The per-parameter Python floor of owning p.grad, whatever the backend: reading every p.grad, and releasing
+    # every one (p.grad = None) after the fold.
+    held = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(tensors)]
+
+    def give_back(params: list[torch.nn.Parameter] = held) -> None:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+
+    def release(params: list[torch.nn.Parameter] = held) -> None:
+        for param in params:
+            param.grad = None
+
+    give_back()
+    cases.append(("read p.grad", "-", lambda: [param.grad for param in held], None))
+    cases.append(("release p.grad", "-", release, give_back))
     for backend in gafused.available_backends(device):
         if backend == "triton" and device.type == "cpu":
             continue  # only under TRITON_INTERPRET=1: a logic check, not a speed anyone runs

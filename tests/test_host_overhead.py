@@ -16,6 +16,7 @@ import host_overhead  # noqa: E402 - bench/ is not a package
 def test_rows_cover_the_baseline_and_every_cpu_backend():
     rows = host_overhead.rows(tensors=5, numel=3, reps=3, warmup=1)
     assert (rows[0]["what"], rows[0]["ratio"]) == ("torch._foreach_add_", 1.0)
+    assert [(row["what"], row["backend"]) for row in rows[1:3]] == [("read p.grad", "-"), ("release p.grad", "-")]
     measured = {(row["what"], row["backend"]) for row in rows[1:]}
     for backend in ("reference", "foreach"):
         assert {("fold_", backend), ("fold_ check=False", backend), ("step", backend)} <= measured
