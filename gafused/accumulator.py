@@ -288,6 +288,7 @@ class GradAccumulator(torch.optim.Optimizer):
         # the window's last; None when no backward() call opened one.
         self._micro: _MicroBatch | None = None
         self._published_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._managed_ids = frozenset(id(param) for param in self._managed)
         self._hooks = BucketHooks(
             [group.buffer for group in self._groups], self, [group.params for group in self._groups]
         )
@@ -553,8 +554,11 @@ class GradAccumulator(torch.optim.Optimizer):
         elif micro is not None and self._sync.weight_in_loss:
             loss = loss * micro.weight.to(loss.dtype)
         # The last step's finished gradients go before autograd runs: no bucket may take one for a new gradient,
-        # and a cast copy's memory is free for this backward (also when the call fails).
+        # and a cast copy's memory is free for this backward (also when the call fails). So do those another live
+        # accumulator over some of these parameters handed out.
         self._release_published()
+        for other in self._others_publishing():
+            other._release_published()
         opened = micro is None
         ended_before = None if opened else micro.ends_window
         if opened:
@@ -753,11 +757,12 @@ class GradAccumulator(torch.optim.Optimizer):
         self._check_param_set(identity=True)
         if self._micro is not None:
             raise RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
+        foreign = self._foreign_views()
         unfolded = [
             name
             for group in self._groups
             for index, (param, name) in enumerate(zip(group.params, group.names, strict=True))
-            if param.grad is not None and not _is_published(group, index, param.grad)
+            if param.grad is not None and not _is_published(group, index, param.grad) and id(param.grad) not in foreign
         ]
         if unfolded:
             raise RuntimeError(
@@ -1122,17 +1127,42 @@ class GradAccumulator(torch.optim.Optimizer):
     def _held_grads(self) -> list[list[torch.Tensor | None]]:
         """Every group's unfolded gradients, checked before any buffer changes (a refused step changes nothing).
 
-        A ``p.grad`` that is still the view an inner step was handed is not a new gradient: it counts as None.
+        A ``p.grad`` that is still the view an inner step was handed is not a new gradient: it counts as None; so
+        does one that another live accumulator over the same parameter handed out.
         """
+        foreign = self._foreign_views()
         held = []
         for group in self._groups:
             grads = [param.grad for param in group.params]
             if group.published is not None:
                 grads = [None if _is_published(group, i, grad) else grad for i, grad in enumerate(grads)]
+            if foreign:
+                grads = [None if id(grad) in foreign else grad for grad in grads]
             if self._sync.shards:
                 grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
         return held
+
+    def _others_publishing(self) -> list[GradAccumulator]:
+        """The other live accumulators over some of these parameters whose last step's gradients are handed out
+        (usually none: one accumulator per model)."""
+        return [
+            other
+            for other in list(_LIVE_ACCUMULATORS)
+            if other is not self
+            and any(group.published is not None for group in other._groups)
+            and not self._managed_ids.isdisjoint(other._managed_ids)
+        ]
+
+    def _foreign_views(self) -> set[int]:
+        """The ids of the gradients other live accumulators over these parameters handed out."""
+        return {
+            id(view)
+            for other in self._others_publishing()
+            for group in other._groups
+            for view in group.published or ()
+            if view is not None
+        }
 
     def _release_published(self) -> None:
         """Drop the finished gradients handed to the last inner step, so no backward adds into the buffer."""

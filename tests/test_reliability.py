@@ -373,6 +373,30 @@ def test_a_new_accumulator_while_the_old_one_lives_does_not_fold_its_finished_gr
     _assert_same(model, reference)
 
 
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_an_older_accumulator_does_not_fold_a_newer_ones_finished_gradients(backend, loop):
+    """Two live accumulators over the same parameters, the older one used after the newer one stepped: the newer
+    one's finished gradients (a parameter the micro-batch does not reach keeps its view) are not new gradients
+    for the older one, in either loop, and flush() does not take them for unfolded ones."""
+    model, reference = _model(), _model()
+    x1, x2 = _batches(2)
+    first = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend)
+    _loss(model, x1).backward()
+    second.step(weight=x1.shape[0])
+    assert all(p.grad is not None for p in model.parameters())
+    model[0].bias.requires_grad_(False)  # not reached by the next backward: keeps second's finished gradient
+    micro_batch(first, _loss(model, x2), loop, weight=x2.shape[0])
+    model[0].bias.requires_grad_(True)
+    assert first.flush()
+    _truth(reference, [[x1]])
+    frozen = reference[0].bias.detach().clone()
+    _truth(reference, [[x2]])
+    with torch.no_grad():
+        reference[0].bias.copy_(frozen)  # no gradient in first's window: SGD leaves it
+    _assert_same(model, reference)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_channels_last_parameters_with_fused_optimizers(kind, loop):
