@@ -593,8 +593,11 @@ class GradAccumulator(torch.optim.Optimizer):
                         f"gafused: {changed} gradient(s) held from an earlier loss.backward() were added to in place "
                         "by the failed call and were dropped",
                     )
-                if opened:
+                if opened:  # what _open_micro_batch set up goes with it
                     self._micro = None
+                    self._reducing = False
+                    for group in self._groups:
+                        group.fold_weight = group.scale = None
                 else:
                     micro.ends_window = ended_before
             raise
