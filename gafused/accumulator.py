@@ -289,6 +289,9 @@ class GradAccumulator(torch.optim.Optimizer):
         self._micro: _MicroBatch | None = None
         self._published_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._managed_ids = frozenset(id(param) for param in self._managed)
+        # The other live accumulators over some of these parameters (usually none): each one's finished gradients
+        # are not new gradients for the other.
+        self._overlapping: weakref.WeakSet[GradAccumulator] = weakref.WeakSet()
         self._hooks = BucketHooks(
             [group.buffer for group in self._groups], self, [group.params for group in self._groups]
         )
@@ -312,24 +315,28 @@ class GradAccumulator(torch.optim.Optimizer):
         self._attached = True
         # Finished gradients an earlier accumulator over these parameters handed out are views of its buffers, not
         # new gradients: released, or the first step() here would fold them again.
-        managed = {id(param) for param in self._managed}
         for other in list(_LIVE_ACCUMULATORS):
-            if any(id(param) in managed for param in other._managed):
+            if not self._managed_ids.isdisjoint(other._managed_ids):
                 other._release_published()
+                other._overlapping.add(self)
+                self._overlapping.add(other)
         _LIVE_ACCUMULATORS.add(self)
 
     def __del__(self) -> None:
-        hooks = getattr(self, "_hooks", None)
+        # What this object built, read from its own attributes: a wrapper whose class subclasses this one and
+        # forwards attribute reads to an accumulator (Lightning's LightningOptimizer) must not tear that one down.
+        state = vars(self)
+        hooks = state.get("_hooks")
         if hooks is not None:
             hooks.remove()
-        if hasattr(self, "_groups"):
+        if "_groups" in state and "_published_hooks" in state:
             # The finished gradients are views of buffers about to go: an accumulator built next over the same
             # parameters would take them for new gradients and fold them again.
             self._release_published()
-        model_hook = getattr(self, "_model_hook", None)
+        model_hook = state.get("_model_hook")
         if model_hook is not None:
             model_hook.remove()
-        if getattr(self, "_attached", False) and not any(
+        if state.get("_attached", False) and not any(
             other is not self and other._sync.same_model(self._sync) for other in list(_LIVE_ACCUMULATORS)
         ):
             self._sync.detach()  # DDP synchronizes its own backward again, unless a newer accumulator owns it
@@ -558,7 +565,7 @@ class GradAccumulator(torch.optim.Optimizer):
         # accumulator over some of these parameters handed out.
         self._release_published()
         for other in self._others_publishing():
-            other._release_published()
+            other._release_published_of(self._managed_ids)
         opened = micro is None
         ended_before = None if opened else micro.ends_window
         if opened:
@@ -760,13 +767,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._check_param_set(identity=True)
         if self._micro is not None:
             raise RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
-        foreign = self._foreign_views()
-        unfolded = [
-            name
-            for group in self._groups
-            for index, (param, name) in enumerate(zip(group.params, group.names, strict=True))
-            if param.grad is not None and not _is_published(group, index, param.grad) and id(param.grad) not in foreign
-        ]
+        unfolded = self._unfolded_names()
         if unfolded:
             raise RuntimeError(
                 f"flush(): {len(unfolded)} parameter(s) hold gradients not folded by step(), e.g. {unfolded[0]}; "
@@ -1149,12 +1150,34 @@ class GradAccumulator(torch.optim.Optimizer):
     def _others_publishing(self) -> list[GradAccumulator]:
         """The other live accumulators over some of these parameters whose last step's gradients are handed out
         (usually none: one accumulator per model)."""
+        if not self._overlapping:
+            return []
         return [
-            other
-            for other in list(_LIVE_ACCUMULATORS)
-            if other is not self
-            and any(group.published is not None for group in other._groups)
-            and not self._managed_ids.isdisjoint(other._managed_ids)
+            other for other in list(self._overlapping) if any(group.published is not None for group in other._groups)
+        ]
+
+    def _release_published_of(self, ids: frozenset[int]) -> None:
+        """Drop the finished gradients handed out for the parameters whose ids are in ``ids`` (another
+        accumulator's backward over them is about to run); the others stay readable."""
+        for group in self._groups:
+            if group.published is None:
+                continue
+            for index, param in enumerate(group.params):
+                view = group.published[index]
+                if view is not None and id(param) in ids:
+                    if param.grad is view:
+                        param.grad = None
+                    group.published[index] = None
+
+    def _unfolded_names(self) -> list[str]:
+        """The parameters holding a gradient no ``step()`` has folded (not a finished one handed out, by this
+        accumulator or another live one over the parameter)."""
+        foreign = self._foreign_views()
+        return [
+            name
+            for group in self._groups
+            for index, (param, name) in enumerate(zip(group.params, group.names, strict=True))
+            if param.grad is not None and not _is_published(group, index, param.grad) and id(param.grad) not in foreign
         ]
 
     def _foreign_views(self) -> set[int]:

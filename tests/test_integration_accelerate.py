@@ -412,6 +412,23 @@ def test_a_block_that_steps_without_backward_is_a_micro_batch_without_gradients(
     _assert_matches(accelerator.unwrap_model(model), _reference_windows(initial, batches, [[0, 2]], [lr]))
 
 
+def test_another_accumulators_finished_gradients_are_not_waiting_for_a_step(fresh_accelerate) -> None:
+    """A second accumulator over the same model stepped and left its finished gradients as p.grad: a block that
+    runs no backward still settles (they are not gradients a step() must end), and the loop goes on."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=2)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    other = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    model(torch.randn(2, 3)).square().mean().backward()
+    other.step()
+    assert all(p.grad is not None for p in model.parameters())
+    with accelerator.accumulate(model):
+        pass  # a skipped batch
+    with accelerator.accumulate(model):
+        accelerator.backward(model(torch.randn(2, 3)).square().mean(), weight=2.0)
+        optimizer.step()
+    assert optimizer.stepped  # the second block is Accelerate's sync step: a window of one micro-batch
+
+
 def test_a_refused_step_changes_nothing(fresh_accelerate) -> None:
     """A step() refused for its weight leaves the micro-batch's gradients where they were: the loop may drop them
     (zero_grad) and go on, and the next windows fold and step as plain PyTorch does without that micro-batch."""

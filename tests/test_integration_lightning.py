@@ -264,3 +264,22 @@ def test_a_window_lightning_abandons_is_not_merged_silently() -> None:
     callback = GradAccumulation(weight=cases.tokens)
     with pytest.raises(RuntimeError, match="new window at batch 0, but 1 micro-batch"):
         _quiet_trainer(callbacks=[callback], max_epochs=2).fit(Abandoning(0))
+
+
+def test_a_freed_lightning_optimizer_wrapper_leaves_the_accumulator_alone() -> None:
+    """LightningOptimizer's class subclasses the wrapped optimizer's and forwards attribute reads to it: when a
+    wrapper goes, the accumulator's __del__ runs on it, and must not remove the live accumulator's hooks or
+    release its finished gradients."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model = torch.nn.Linear(4, 4)
+    accumulator = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    accumulator.backward(model(torch.randn(3, 4)).sum())
+    accumulator.step()
+    hooks, published = len(accumulator._hooks._handles), len(accumulator._published_hooks)
+    assert hooks > 0 and published > 0
+    wrapper = LightningOptimizer(accumulator)
+    assert isinstance(wrapper, gafused.GradAccumulator)
+    del wrapper
+    assert (len(accumulator._hooks._handles), len(accumulator._published_hooks)) == (hooks, published)
+    assert all(p.grad is not None for p in model.parameters())

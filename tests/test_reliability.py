@@ -397,6 +397,25 @@ def test_an_older_accumulator_does_not_fold_a_newer_ones_finished_gradients(back
     _assert_same(model, reference)
 
 
+def test_a_backward_releases_another_accumulators_finished_gradients_only_where_they_share_parameters(backend):
+    """Two accumulators sharing one parameter (a shared encoder under two heads): one's backward releases the
+    other's finished gradient of the shared parameter (it is about to get a new one), not the other head's."""
+    generator = torch.Generator().manual_seed(0)
+    shared, head_a, head_b = (
+        torch.nn.Parameter(torch.randn(3, 3, generator=generator, dtype=torch.float64)) for _ in range(3)
+    )
+    x = torch.randn(2, 3, generator=generator, dtype=torch.float64)
+    first = GradAccumulator(torch.optim.SGD([shared, head_a], lr=0.1), 1, backend=backend)
+    second = GradAccumulator(torch.optim.SGD([shared, head_b], lr=0.1), 1, backend=backend)
+    first.backward((x @ shared @ head_a).square().mean())
+    first.step()
+    finished = head_a.grad
+    assert finished is not None and shared.grad is not None
+    with pytest.raises(RuntimeError):
+        second.backward(x @ shared @ head_b)  # not a scalar: autograd refuses
+    assert head_a.grad is finished and shared.grad is None
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_channels_last_parameters_with_fused_optimizers(kind, loop):

@@ -65,7 +65,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
         'gafused.integrations.accelerate needs Hugging Face Accelerate: pip install "gafused[accelerate]"'
     ) from error
 
-from gafused.accumulator import GradAccumulator, _is_published
+from gafused.accumulator import GradAccumulator
 from gafused.buffer import DEFAULT_BUCKET_BYTES
 
 __all__ = ["AcceleratedGradAccumulator", "prepare", "WINDOW_FILE"]
@@ -175,13 +175,7 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         """Whether an open micro-batch, or a managed gradient that no ``step()`` has folded, waits for a ``step()``
         (the finished gradient handed to the last inner step does not)."""
         accumulator = self.accumulator
-        if accumulator._micro is not None:
-            return True
-        return any(
-            param.grad is not None and not _is_published(group, index, param.grad)
-            for group in accumulator._groups
-            for index, param in enumerate(group.params)
-        )
+        return accumulator._micro is not None or bool(accumulator._unfolded_names())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the accumulator's state; under ``load_state``, the open window is this process's own file's.
