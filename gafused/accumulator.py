@@ -1168,6 +1168,8 @@ class GradAccumulator(torch.optim.Optimizer):
                     if param.grad is view:
                         param.grad = None
                     group.published[index] = None
+        if all(view is None for group in self._groups for view in group.published or ()):
+            self._release_published()  # none left: the hooks and a cast copy go too
 
     def _unfolded_names(self) -> list[str]:
         """The parameters holding a gradient no ``step()`` has folded (not a finished one handed out, by this

@@ -416,6 +416,24 @@ def test_a_backward_releases_another_accumulators_finished_gradients_only_where_
     assert head_a.grad is finished and shared.grad is None
 
 
+def test_a_backward_over_the_same_bf16_model_frees_another_accumulators_cast_copy(backend):
+    """Every finished gradient another accumulator handed out is released by this one's backward: its bf16 cast
+    copy goes too, before autograd runs (memory parity), and its release hooks with it."""
+    model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    first = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend)
+    first.backward(model(x).float().square().mean())
+    first.step()
+    cast_copy = weakref.ref(first._groups[0].finished)
+    alive = []
+    model.weight.register_hook(lambda grad: alive.append(cast_copy() is not None))
+    second.backward(model(x).float().square().mean())
+    assert alive == [False] and first._published_hooks == []
+    second.step()
+    assert second.stepped
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_channels_last_parameters_with_fused_optimizers(kind, loop):
