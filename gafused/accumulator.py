@@ -1138,10 +1138,11 @@ class GradAccumulator(torch.optim.Optimizer):
         held = []
         for group in self._groups:
             grads = [param.grad for param in group.params]
-            if group.published is not None:
-                grads = [None if _is_published(group, i, grad) else grad for i, grad in enumerate(grads)]
-            if foreign:
-                grads = [None if id(grad) in foreign else grad for grad in grads]
+            if group.published is not None or foreign:
+                grads = [
+                    None if _is_published(group, i, grad) or id(grad) in foreign else grad
+                    for i, grad in enumerate(grads)
+                ]
             if self._sync.shards:
                 grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
@@ -1159,15 +1160,7 @@ class GradAccumulator(torch.optim.Optimizer):
     def _release_published_of(self, ids: frozenset[int]) -> None:
         """Drop the finished gradients handed out for the parameters whose ids are in ``ids`` (another
         accumulator's backward over them is about to run); the others stay readable."""
-        for group in self._groups:
-            if group.published is None:
-                continue
-            for index, param in enumerate(group.params):
-                view = group.published[index]
-                if view is not None and id(param) in ids:
-                    if param.grad is view:
-                        param.grad = None
-                    group.published[index] = None
+        self._drop_views(lambda group, index: id(group.params[index]) in ids)
         if all(view is None for group in self._groups for view in group.published or ()):
             self._release_published()  # none left: the hooks and a cast copy go too
 
@@ -1209,12 +1202,17 @@ class GradAccumulator(torch.optim.Optimizer):
         """After the inner step: drop the finished gradients of parameters that did not require grad when they
         were handed out. No hook can release them before a backward (once they are unfrozen) would add into them,
         in place or, with ``create_graph``, into a new tensor that could not be told from a new gradient."""
+        self._drop_views(lambda group, index: not group.hooked[index])
+
+    def _drop_views(self, where: Callable[[_Group, int], bool]) -> None:
+        """Forget the published views at the (group, index) pairs ``where`` accepts; a ``p.grad`` still one of
+        them is set to None. Their hooks stay, harmless (they release only their own view)."""
         for group in self._groups:
             if group.published is None:
                 continue
             for index, param in enumerate(group.params):
                 view = group.published[index]
-                if view is not None and not group.hooked[index]:
+                if view is not None and where(group, index):
                     if param.grad is view:
                         param.grad = None
                     group.published[index] = None
