@@ -1369,7 +1369,9 @@ class GradAccumulator(torch.optim.Optimizer):
         # finished value would be nan, but an all-empty buffer has no value to show it).
         empty_window = self._weight_sum <= 0
         norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
-        return norm, found_inf | empty_window
+        # Finite values whose squares overflow the sum (beyond ~1.8e19 in float32) leave the norm unknown: clipping
+        # by an infinite norm would zero the gradient, so such a window is skipped as a non-finite one.
+        return norm, found_inf | empty_window | torch.isinf(norm)
 
     def _adopt_rank_flags(self, values: list[float]) -> list[tuple[int, int]]:
         """Take the window's all-reduced flags: a parameter that got a gradient on any rank gets the finished

@@ -28,6 +28,7 @@ graph would not repeat. torch.compile leaves them out of the graphs it captures.
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 import warnings
 import weakref
@@ -264,10 +265,16 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
         if value.is_complex() or not (value.is_floating_point() or value.dtype in _INTEGER_DTYPES):
             raise ValueError(f"{name} must be a real number, got dtype {value.dtype}")
-        return value.to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a Python number or a 0-d tensor, got {type(value).__name__}")
-    return torch.full((), value, dtype=buffer.accum_dtype, device=buffer.device)
+        # Detached: a weight with a graph (requires_grad) must not attach one to the buffer.
+        return value.detach().to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number or a 0-d tensor, got {type(value).__name__}")
+    return torch.full((), float(value), dtype=buffer.accum_dtype, device=buffer.device)
+
+
+def _check_first(first: object) -> None:
+    if not isinstance(first, bool):
+        raise TypeError(f"first must be a bool, got {type(first).__name__}")
 
 
 GRAD_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -357,8 +364,9 @@ def check_grads(
     """Check micro-batch gradients against the buffer's layout; returns them in each segment's memory order.
 
     Gradients come back contiguous, or, for a segment with a permuted memory order (a channels_last
-    parameter), as a flat view of the gradient's memory in that order (a copy only when the strides differ);
-    a gradient with a graph of its own (``create_graph=True``) comes back detached.
+    parameter, whose gradient must then have the parameter's shape), as a flat view of the gradient's memory in
+    that order (a copy only when the strides differ); a gradient with a graph of its own (``create_graph=True``)
+    comes back detached, a lazily negated one (``torch._neg_view``) resolved.
 
     This is the check ``fold_`` and ``fold_finish_`` run; a caller that runs it first (GradAccumulator does,
     for every buffer before folding any, so a refused step changes nothing) passes ``check=False`` to them.
@@ -403,10 +411,14 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
             or grad.layout != torch.strided
             or grad.device != device
             or grad.numel() != numels[index]
+            or (index in permuted and grad.shape != buffer.shapes[index])
         ):
             raise _bad_grad(buffer, index, grad, names)
         if grad.requires_grad:  # a gradient with a graph of its own (create_graph=True): fold its value
             grads[index] = grad = grad.detach()
+            as_given = False
+        if grad.is_neg():  # a lazily negated view (torch._neg_view): its memory holds the negated values
+            grads[index] = grad = grad.resolve_neg()
             as_given = False
         if index in permuted:
             as_given = as_given and grad.stride() == buffer.strides[index]
@@ -450,7 +462,14 @@ def _bad_grad(buffer: FlatGradBuffer, grads_index: int, grad: object, names: Seq
         return ValueError(f"{label}: gradients must be real floating point (fp16/bf16/fp32/fp64), got {grad.dtype}")
     if grad.device != buffer.device:
         return ValueError(f"{label}: the gradient is on {grad.device}, the buffer on {buffer.device}")
-    return ValueError(f"{label}: the gradient has {grad.numel()} elements, its segment {buffer.numels[grads_index]}")
+    if grad.numel() != buffer.numels[grads_index]:
+        return ValueError(
+            f"{label}: the gradient has {grad.numel()} elements, its segment {buffer.numels[grads_index]}"
+        )
+    return ValueError(
+        f"{label}: the gradient has shape {tuple(grad.shape)}; its segment keeps the memory order of a parameter "
+        f"of shape {tuple(buffer.shapes[grads_index])} (e.g. channels_last), so the gradient must have that shape"
+    )
 
 
 def _checked(buffer: FlatGradBuffer, grads: Sequence[torch.Tensor | None], check: bool) -> list[torch.Tensor | None]:
@@ -479,6 +498,7 @@ def fold_(
         backend: ``"auto"`` or a name from ``BACKENDS``.
         check: run ``check_grads`` (False only when the caller just ran it on the same grads).
     """
+    _check_first(first)
     checked = _checked(buffer, grads, check)
     w = _scalar(weight, "weight", buffer)
     name = resolve_backend(backend, buffer.device)
@@ -513,6 +533,7 @@ def fold_finish_(
         (sum of squares of the finished segments as a 0-d tensor of the buffer's dtype,
         0-d bool tensor: any finished element is inf or nan), both on the buffer's device.
     """
+    _check_first(first)
     checked = _checked(buffer, grads, check)
     w = _scalar(weight, "weight", buffer)
     s = _scalar(scale, "scale", buffer)

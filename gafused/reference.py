@@ -6,8 +6,10 @@ Every function works on a flat accumulation tensor ``acc`` and its layout (``off
 ``i`` is ``acc[offsets[i] : offsets[i] + numels[i]]``. Elements outside segments (alignment padding) are never
 read or written.
 
-Math happens in ``acc.dtype`` (float32, or float64 for float64 buffers): gradients are upcast before
-they are weighted, whatever their own dtype.
+Math happens in ``acc.dtype`` (float32, or float64 for float64 buffers): gradients are converted to it before
+they are weighted, whatever their own dtype. One exception, on CPU: a middle fold of float64 gradients into a
+float32 buffer is ``add_``'s type promotion, computed in float64 and rounded once into float32 (the other
+backends round the gradient first: they may differ by one float32 ulp).
 
 On CPU, where reading a 0-d tensor costs no device sync, a middle fold is one fused
 ``add_(grad, alpha=weight)`` pass and the non-finite check is skipped when the sums of squares show every

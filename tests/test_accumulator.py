@@ -254,6 +254,26 @@ def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, val
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the Triton interpreter's squares
+def test_finite_gradient_whose_norm_overflows_skips_the_step(backend, max_grad_norm):
+    # 1e20 is a finite float32, its square is not: the float32 sum of squares is inf, so the norm is unknown (the
+    # float64 truth, 2e20, would clip to 0.5 per element; a clip by an infinite norm would step with zeros).
+    param = torch.nn.Parameter(torch.zeros(4))
+    inner = torch.optim.SGD([param], lr=1.0)
+    opt = GradAccumulator(inner, accumulation_steps=2, max_grad_norm=max_grad_norm, backend=backend)
+    for _ in range(2):
+        param.grad = torch.full((4,), 1e20)
+        opt.step()
+    assert not opt.stepped and opt.skipped_steps == 1 and opt.micro_step == 0
+    assert math.isinf(float(opt.grad_norm)) and torch.equal(param.detach(), torch.zeros(4))
+    for _ in range(2):
+        param.grad = torch.full((4,), 2.0)
+        opt.step()
+    assert opt.stepped  # the mean gradient 2.0 has norm 4: clipped to 0.5 per element
+    torch.testing.assert_close(param.detach(), torch.full((4,), -0.5 if max_grad_norm else -2.0))
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the Triton interpreter's cast
 def test_finished_gradient_that_overflows_the_parameter_dtype_skips_the_step(backend, loop, max_grad_norm):
     """fp16 parameters, normalization="sum": each micro-batch's gradient fits fp16, their fp32 sum may not. A
@@ -407,7 +427,8 @@ def test_scheduler_steps_once_per_window_and_per_micro_batch_use_warns(backend):
     opt = GradAccumulator(inner, accumulation_steps=2, backend=backend)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)  # built on the accumulator
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # neither gafused's warning nor "lr_scheduler.step() before optimizer.step()"
+        # Neither gafused's warning nor "lr_scheduler.step() before optimizer.step()" (both UserWarnings).
+        warnings.simplefilter("error", UserWarning)
         for x, y in _data([2] * 6, seed=100):
             _loss(model, x, y).backward()
             opt.step()

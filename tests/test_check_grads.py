@@ -181,3 +181,38 @@ def test_a_compiled_fold_checks_gradient_by_gradient():
     torch.testing.assert_close(torch.cat([buffer.segment(0), buffer.segment(1)]), torch.cat(grads) * 2)
     with pytest.raises(ValueError, match="elements"):
         torch.compile(fold, backend="eager")(torch.randn(4), grads[1])
+
+
+def test_a_channels_last_gradient_of_another_shape_is_refused_before_anything_changes():
+    # Its elements have no defined place in the parameter's memory order (a (5, 4, 3, 2) tensor given the
+    # strides of a (2, 3, 4, 5) channels_last one would leave holes): refused on both paths, nothing folded.
+    buffer = _buffer(channels_last=True)
+    for recorded in (False, True):
+        if recorded:
+            _recorded(buffer)
+        grads = _grads(buffer, 3)
+        grads[2] = torch.randn(5, 4, 3, 2)
+        before = buffer.data.clone()
+        with pytest.raises(ValueError, match=r"layer2.weight: the gradient has shape \(5, 4, 3, 2\).*\(2, 3, 4, 5\)"):
+            ops.check_grads(buffer, grads, names=NAMES)
+        with pytest.raises(ValueError, match=r"grads\[2\]: the gradient has shape"):
+            ops.fold_(buffer, grads, 1.0, first=False, backend="foreach")
+        assert torch.equal(buffer.data, before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
+def test_a_lazily_negated_gradient_folds_its_values(backend):
+    # torch._neg_view keeps the memory and a negative bit: the values folded are the negated ones (a kernel
+    # reading the raw memory would fold the values before negation).
+    reason = ops.backend_unavailable_reason(backend, torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    buffer = _buffer()
+    _recorded(buffer)
+    grads = _grads(buffer, 3)
+    negated = torch._neg_view(grads[1])
+    assert negated.is_neg()
+    checked = ops.check_grads(buffer, [grads[0], negated, grads[2]])
+    assert not checked[1].is_neg() and torch.equal(checked[1], -grads[1])
+    ops.fold_(buffer, [grads[0], negated, grads[2]], 1.0, first=True, backend=backend)
+    assert torch.equal(buffer.segment(1), -grads[1])

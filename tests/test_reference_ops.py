@@ -1,5 +1,6 @@
 """The reference backend against float64 first principles, and the layout it works on."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,6 +203,32 @@ def test_ops_reject_bad_scalars_and_backend():
         ops.norm(buffer, backend="fastest")
     with pytest.raises(ValueError, match="out"):
         ops.scale_(buffer, 1.0, out=torch.empty(3), backend="reference")
+
+
+def test_ops_refuse_a_first_flag_that_is_not_a_bool():
+    buffer = _buffer([(3,)])
+    ops.fold_(buffer, [torch.ones(3)], 1.0, first=True, backend="reference")
+    before = buffer.data.clone()
+    with pytest.raises(TypeError, match="first must be a bool, got str"):
+        ops.fold_(buffer, [torch.ones(3)], 1.0, first="False", backend="reference")
+    with pytest.raises(TypeError, match="first must be a bool, got int"):
+        ops.fold_finish_(buffer, [torch.ones(3)], 1.0, 0.5, first=0, backend="reference")
+    assert torch.equal(buffer.data, before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "foreach"])
+def test_scalars_with_a_graph_or_from_numpy_fold_their_values(backend):
+    # A weight that requires grad is read as its value: no graph reaches the buffer, on every backend.
+    buffer = _buffer([(3,)])
+    weight = torch.tensor(2.0, requires_grad=True)
+    scale = torch.tensor(0.25, requires_grad=True) * 2
+    ops.fold_(buffer, [torch.ones(3)], weight, first=True, backend=backend)
+    ops.fold_(buffer, [torch.ones(3)], np.float32(4.0), first=False, backend=backend)
+    total, _ = ops.fold_finish_(buffer, [torch.ones(3)], weight, scale, first=False, backend=backend)
+    ops.scale_(buffer, weight, backend=backend)
+    assert not buffer.data.requires_grad and buffer.data.grad_fn is None and not total.requires_grad
+    assert torch.equal(buffer.segment(0), torch.full((3,), 8.0))
+    assert total.item() == 3 * 4.0**2
 
 
 def test_ops_are_torch_library_ops_and_trace_under_compile():

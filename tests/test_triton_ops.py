@@ -145,6 +145,20 @@ def test_fold_missing_grads(first, accum_dtype, candidate):
 
 
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
+def test_last_fold_scales_a_segment_without_gradient_bit_for_bit(accum_dtype, candidate):
+    # Segment 4 (1025 elements, past a block boundary) has no gradient on the last micro-batch: it is only
+    # multiplied by the scale, so its signed zeros stay negative, as in the reference.
+    candidate_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
+    for buffer in (candidate_buffer, reference_buffer):
+        buffer.segment(4).view(-1)[::2] = -0.0
+    grads = _grads(candidate_buffer, [torch.float32], missing={4})
+    ops.fold_finish_(candidate_buffer, grads, 1.0, 0.5, first=False, backend=candidate)
+    ops.fold_finish_(reference_buffer, grads, 1.0, 0.5, first=False, backend="reference")
+    assert torch.equal(torch.signbit(candidate_buffer.segment(4)), torch.signbit(reference_buffer.segment(4)))
+    assert torch.equal(candidate_buffer.segment(4), reference_buffer.segment(4))
+
+
+@pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 def test_fold_mixed_grad_dtypes_in_one_call(accum_dtype, candidate):
     candidate_buffer, reference_buffer = _buffers(LAYOUTS["many_small"], accum_dtype)
     for first in (True, False):
@@ -328,6 +342,25 @@ def test_unavailable_on_cpu_without_interpreter():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert "TRITON_INTERPRET=1" in result.stdout
+
+
+def test_compiled_kernels_do_not_need_numpy():
+    # Only Triton's interpreter needs numpy: without TRITON_INTERPRET the backend must import where numpy is absent
+    # (a GPU machine with torch and triton only) and run its CUDA checks.
+    script = (
+        "import sys\n"
+        "class NoNumpy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'numpy':\n"
+        "            raise ModuleNotFoundError('numpy is not installed')\n"
+        "sys.meta_path.insert(0, NoNumpy())\n"
+        "import torch\n"
+        "from gafused import triton_backend\n"
+        "print(triton_backend._INTERPRETED, triton_backend.unavailable_reason(torch.device('cpu')))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("False triton kernels need CUDA tensors")
 
 
 @needs_triton

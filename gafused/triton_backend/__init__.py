@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from gafused.triton_backend.fold import _fold_kernel, fold_, fold_finish_
 from gafused.triton_backend.norm import sum_of_squares
@@ -23,8 +23,9 @@ from gafused.triton_backend.scale import scale_
 
 __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_reason"]
 
-# TRITON_INTERPRET is read when a kernel is defined, so what matters is how this module's kernels were built.
-_INTERPRETED = isinstance(_fold_kernel, InterpretedFunction)
+# TRITON_INTERPRET is read when a kernel is defined, so what matters is how this module's kernels were built
+# (an InterpretedFunction otherwise; its module is not imported here: it needs numpy, compiled kernels do not).
+_INTERPRETED = not isinstance(_fold_kernel, JITFunction)
 
 
 def unavailable_reason(device: torch.device) -> str | None:

@@ -31,10 +31,13 @@ def _fold_values(acc_ptrs, grad_ptrs, weight, scale_ptr, mask, grad_mask, has_gr
     compute = acc_ptrs.dtype.element_ty
     if MASKED:
         grad = tl.load(grad_ptrs, mask=grad_mask, other=0.0).to(compute)
-        # A missing gradient contributes exactly zero, even when the weight is inf or nan.
-        value = tl.where(has_grad, grad * weight, 0.0)
-        if not FIRST:
-            value = tl.load(acc_ptrs, mask=mask, other=0.0) + value
+        # A missing gradient contributes nothing, even when the weight is inf or nan: its segment keeps
+        # its values bit for bit (no "+ 0.0", which would turn -0.0 into +0.0).
+        if FIRST:
+            value = tl.where(has_grad, grad * weight, 0.0)
+        else:
+            old = tl.load(acc_ptrs, mask=mask, other=0.0)
+            value = tl.where(has_grad, old + grad * weight, old)
     else:
         value = tl.load(grad_ptrs).to(compute) * weight
         if not FIRST:
