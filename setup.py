@@ -1,7 +1,7 @@
 """Build script: the Python package always; the CUDA extension gafused._C only where CUDA can build it.
 
 Environment switches:
-    GAFUSED_SKIP_CUDA_BUILD=1   never build the extension (pure Python install: triton + reference).
+    GAFUSED_SKIP_CUDA_BUILD=1   never build the extension (pure Python install: reference, foreach, triton).
     GAFUSED_FORCE_CUDA=1        build it even when no GPU is visible (needs CUDA torch and nvcc).
 """
 
@@ -106,10 +106,10 @@ setup(
     packages=find_packages(include=["gafused", "gafused.*"]),
     license="BSD-3-Clause",
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    install_requires=["torch>=2.9"],  # README "Two commands": the versions tested
     extras_require={
-        "triton": ["triton>=3.0"],
-        "test": ["pytest", "ruff>=0.17,<0.18", "hypothesis"],
+        "triton": ["triton>=3.5"],
+        "test": ["pytest", "ruff>=0.17,<0.18", "hypothesis", "numpy"],
         # tests/test_correctness.py's float64 GPT-2 proof; it skips with the reason when this is absent.
         # also gafused.integrations.transformers (Trainer needs accelerate).
         "transformers": ["transformers", "accelerate"],
