@@ -265,8 +265,9 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
         if value.is_complex() or not (value.is_floating_point() or value.dtype in _INTEGER_DTYPES):
             raise ValueError(f"{name} must be a real number, got dtype {value.dtype}")
-        # Detached: a weight with a graph (requires_grad) must not attach one to the buffer.
-        return value.detach().to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)
+        if value.requires_grad:  # its value only: a weight with a graph must not attach one to the buffer
+            value = value.detach()
+        return value.to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number or a 0-d tensor, got {type(value).__name__}")
     return torch.full((), float(value), dtype=buffer.accum_dtype, device=buffer.device)
