@@ -1139,10 +1139,7 @@ class GradAccumulator(torch.optim.Optimizer):
         for group in self._groups:
             grads = [param.grad for param in group.params]
             if group.published is not None or foreign:
-                grads = [
-                    None if _is_published(group, i, grad) or id(grad) in foreign else grad
-                    for i, grad in enumerate(grads)
-                ]
+                grads = [None if _handed_out(group, i, grad, foreign) else grad for i, grad in enumerate(grads)]
             if self._sync.shards:
                 grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
@@ -1172,7 +1169,7 @@ class GradAccumulator(torch.optim.Optimizer):
             name
             for group in self._groups
             for index, (param, name) in enumerate(zip(group.params, group.names, strict=True))
-            if param.grad is not None and not _is_published(group, index, param.grad) and id(param.grad) not in foreign
+            if param.grad is not None and not _handed_out(group, index, param.grad, foreign)
         ]
 
     def _foreign_views(self) -> set[int]:
@@ -1697,6 +1694,12 @@ def _grad_and_version(param: torch.Tensor) -> tuple[torch.Tensor | None, int]:
 
 def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:
     return grad is not None and group.published is not None and grad is group.published[index]
+
+
+def _handed_out(group: _Group, index: int, grad: torch.Tensor | None, foreign: set[int]) -> bool:
+    """Whether ``grad`` is a finished gradient, not a new one: this accumulator's published view, or one of the
+    ``foreign`` ids another live accumulator over the parameter handed out (``_foreign_views``)."""
+    return _is_published(group, index, grad) or id(grad) in foreign
 
 
 def _before_model_forward(owner: GradAccumulator):
