@@ -34,16 +34,17 @@ def _name_list(names: list[str]) -> str:
 
 
 def _functional_dropout_rates(module: torch.nn.Module) -> list[str]:
-    """Float attributes named like a dropout rate and above zero, e.g. an attention module's ``attention_dropout``.
+    """Float attributes named like a dropout rate, valued in (0, 1], e.g. an attention module's ``attention_dropout``.
 
     Many attention implementations call ``torch.nn.functional.dropout`` with such a rate instead of holding an
     ``nn.Dropout`` module, so the module types alone would miss them.
     """
     found = []
     for attribute, value in vars(module).items():
-        if "dropout" not in attribute.lower() or isinstance(value, bool) or not isinstance(value, int | float):
+        # A rate is a probability held as a float; an int named like one is a count or a seed, not a rate.
+        if "dropout" not in attribute.lower() or not isinstance(value, float):
             continue
-        if value > 0:
+        if 0 < value <= 1:
             found.append(f"{attribute}={value:g}")
     return found
 
@@ -58,7 +59,7 @@ def check_model(model: torch.nn.Module, warn: bool = True) -> list[str]:
       their running statistics once per micro-batch. The accumulated gradient is therefore not the big-batch
       gradient. ``GroupNorm`` or ``LayerNorm`` normalize per sample and accumulate exactly; ``SyncBatchNorm``
       widens the statistics across data-parallel ranks but still not across micro-batches.
-    - Dropout, as modules with ``p > 0`` or as float attributes named ``*dropout*`` above zero (rates passed to
+    - Dropout, as modules with ``p > 0`` or as float attributes named ``*dropout*`` in (0, 1] (rates passed to
       ``torch.nn.functional.dropout``): each micro-batch draws its own masks. The expected gradient is the same
       as the big batch's, but no run is bit-for-bit comparable to one; set the rate to 0 (or call ``eval()``)
       when checking accumulation against a big batch.

@@ -501,6 +501,18 @@ def test_check_model_names_dropout_modules_and_functional_rates():
     assert "2 place(s)" in findings[0]
 
 
+def test_check_model_reads_only_float_rates_as_functional_dropout():
+    module = torch.nn.Linear(4, 4)
+    module.num_dropout_layers = 2  # a count named like a rate
+    module.dropout_seed = 1234  # a seed
+    module.dropout_scale = 2.5  # a float, but no probability
+    module.attention_dropout = 0.0  # inactive
+    assert check_model(module, warn=False) == []
+    module.attention_dropout = 0.25
+    findings = check_model(module, warn=False)
+    assert len(findings) == 1 and "<root> (attention_dropout=0.25)" in findings[0] and "1 place(s)" in findings[0]
+
+
 def test_check_model_on_a_transformer():
     clean = _tiny_gpt2(torch.float32)
     assert check_model(clean, warn=False) == []
