@@ -101,16 +101,18 @@ class FlatGradBuffer:
             raise ValueError(f"FlatGradBuffer: alignment_bytes must be a power of two >= 16, got {alignment_bytes}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"FlatGradBuffer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"FlatGradBuffer: params[{i}] must be a torch.Tensor, got {type(p).__name__}")
+            if not p.is_floating_point():
+                raise ValueError(f"FlatGradBuffer: params[{i}] must be floating point, got {p.dtype}")
+            if torch.finfo(p.dtype).bits > torch.finfo(accum_dtype).bits:
+                raise ValueError(
+                    f"FlatGradBuffer: accum_dtype {accum_dtype} is narrower than params[{i}]'s dtype {p.dtype}"
+                )
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"FlatGradBuffer: params must share one device, got {sorted(map(str, devices))}")
-        for p in params:
-            if not p.is_floating_point():
-                raise ValueError(f"FlatGradBuffer: params must be floating point, got {p.dtype}")
-            if torch.finfo(p.dtype).bits > torch.finfo(accum_dtype).bits:
-                raise ValueError(
-                    f"FlatGradBuffer: accum_dtype {accum_dtype} is narrower than a parameter's dtype {p.dtype}"
-                )
 
         self.params: list[torch.Tensor] = params
         self.device: torch.device = params[0].device

@@ -163,15 +163,22 @@ def test_layout_alignment_offsets_and_views():
         ({"accum_dtype": torch.bfloat16}, "accum_dtype"),
         ({"alignment_bytes": 24}, "alignment_bytes"),
         ({"alignment_bytes": 8}, "alignment_bytes"),
-        ({"params": [torch.empty(3, dtype=torch.int64)]}, "floating point"),
-        ({"params": [torch.empty(3, dtype=torch.float64)]}, "narrower"),
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"params": [torch.empty(3), torch.empty(3, dtype=torch.int64)]}, r"params\[1\] must be floating point"),
+        ({"params": [torch.empty(3), torch.empty(3, dtype=torch.float64)]}, r"narrower than params\[1\]'s dtype"),
+        ({"params": [torch.empty(3), torch.empty(3, device="meta")]}, "share one device"),
     ],
-    ids=["empty", "bf16-accum", "unaligned", "too-small-alignment", "int-param", "fp64-param-fp32-accum"],
+    ids=["empty", "bf16-accum", "unaligned", "small-alignment", "zero-bucket", "int-param", "fp64-param", "devices"],
 )
 def test_buffer_rejects_bad_input(kwargs, message):
     arguments = {"params": [torch.empty(3)], "accum_dtype": torch.float32, **kwargs}
     with pytest.raises(ValueError, match=message):
         FlatGradBuffer(**arguments)
+
+
+def test_buffer_names_a_param_that_is_no_tensor():
+    with pytest.raises(TypeError, match=r"params\[1\] must be a torch.Tensor, got list"):
+        FlatGradBuffer([torch.empty(3), [1.0, 2.0]])
 
 
 @pytest.mark.parametrize(
