@@ -728,7 +728,7 @@ class GradAccumulator(torch.optim.Optimizer):
             late = False
         if last and self._global:
             if late:
-                self._sync.check_window_end()
+                self._check_window_end()
             else:
                 self._check_ready_to_reduce(micro, grads)
         if micro is not None:
@@ -774,7 +774,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "call step() to include them or zero_grad() to drop them first"
             )
         if self._global:
-            self._sync.check_window_end()
+            self._check_window_end()
             sums = self._reduced_window_sums(self.micro_step)
             count, squares = sums[2:4].tolist()
             if count == 0:
@@ -1013,7 +1013,24 @@ class GradAccumulator(torch.optim.Optimizer):
                 "step(): with model=, gradients from a plain backward() cannot join a window's last micro-batch "
                 "after opt.backward() reduced its buckets; sum the losses into one opt.backward() call"
             )
+        self._check_window_end()
+
+    def _check_window_end(self) -> None:
+        """Before a window is reduced across ranks: the wrapper holds nothing back (FSDP2), and no parameter of a
+        DDP model holds a gradient that no accumulator over the model reduces (DDP's own all-reduce is off)."""
         self._sync.check_window_end()
+        if not self._sync.reduces_buckets:
+            return
+        held = set().union(*(o._managed_ids for o in list(_LIVE_ACCUMULATORS) if o._sync.same_model(self._sync)))
+        unreduced = self._sync.unreduced_grads(held)
+        if unreduced:
+            raise RuntimeError(
+                f"model: {len(unreduced)} parameter(s) of the DDP model hold gradients that no GradAccumulator over "
+                f"it holds, e.g. {unreduced[0]}; gafused turned DDP's all-reduce off, so those gradients are this "
+                "rank's alone and an optimizer stepping them would let the replicas drift apart. Wrap every "
+                "optimizer of the model in GradAccumulator(optimizer, N, model=model), or set requires_grad=False "
+                "on parameters no optimizer updates"
+            )
 
     def _reduced_window_sums(self, count: int) -> torch.Tensor:
         """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, then a had-gradient flag per

@@ -132,6 +132,12 @@ class Sync:
         """Raise if gradients of the window are still held back by the wrapper at its last micro-batch."""
         return None
 
+    def unreduced_grads(self, held: set[int]) -> list[str]:
+        """The names of the model's parameters holding a gradient that the wrapper would have reduced but, with
+        its synchronization taken over, nothing reduces: those whose ids are not in ``held`` (the parameters of
+        the accumulators over this model)."""
+        return []
+
 
 class DDPSync(Sync):
     """DDP: gafused all-reduces each bucket once per window, in bucket order, on the last micro-batch."""
@@ -140,7 +146,26 @@ class DDPSync(Sync):
     name = "ddp"
 
     def __init__(self, model: torch.nn.Module, reduce_dtype: torch.dtype | None) -> None:
+        if model.static_graph:
+            raise ValueError(
+                "model: DistributedDataParallel(static_graph=True) is not supported: gafused turns DDP's gradient "
+                "synchronization off and reduces the buckets itself, which a static-graph reducer cannot follow "
+                "(it fails with an internal assert); build the DDP module with static_graph=False"
+            )
         self._model = model
+        # What DDP itself would all-reduce: the parameters not in its ignore list (by either name DDP matches).
+        ignored = model.parameters_to_ignore
+        skipped = {
+            id(param)
+            for prefix, module in model.module.named_modules()
+            for name, param in module.named_parameters(recurse=False)
+            if f"{prefix}.{name}" in ignored
+        }
+        self._reduced: list[tuple[str, torch.Tensor]] = [
+            (name, param)
+            for name, param in model.module.named_parameters()
+            if name not in ignored and id(param) not in skipped
+        ]
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -163,6 +188,13 @@ class DDPSync(Sync):
             # On, DDP's own setting outside no_sync() (which restores its saved value on exit anyway).
             self._model.require_backward_grad_sync = True
             self._attached = False
+
+    def unreduced_grads(self, held: set[int]) -> list[str]:
+        return [
+            name
+            for name, param in self._reduced
+            if param.requires_grad and param.grad is not None and id(param) not in held
+        ]
 
     def window_ended(self) -> None:
         # What a synchronized backward leaves behind in DDP: its next forward broadcasts rank 0's module buffers

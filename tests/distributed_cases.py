@@ -534,6 +534,75 @@ def _misuse(rank: int) -> dict[str, str]:
     opt.zero_grad()
     del opt
     said.update(_fsdp_weight_cases(rank, x, y))
+    said.update(_ddp_split_cases(rank))
+    return said
+
+
+def _ddp_split_cases(rank: int) -> dict[str, str]:
+    """A DDP model whose parameters are split over two optimizers: gafused turns DDP's all-reduce off for the
+    whole model, so both must be accumulators over it (then the window equals one accumulator over all of it);
+    a plain second optimizer is refused at the window's end, before the last micro-batch changes anything.
+    Parameters DDP itself ignores are no concern. ``static_graph=True`` is refused at construction."""
+    import gafused
+
+    said: dict[str, str] = {}
+
+    def window(opts: list[torch.optim.Optimizer], ddp: torch.nn.Module) -> None:
+        for micro in range(N):
+            x, y = micro_batch(rank, 0, micro)
+            token_losses(ddp, x, y).mean().backward()
+            for opt in opts:
+                opt.step(weight=x.shape[0])
+            for opt in opts:
+                opt.zero_grad()
+
+    def split(ddp: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params = list(ddp.parameters())
+        return params[:2], params[2:]
+
+    whole = torch.nn.parallel.DistributedDataParallel(make_model())
+    window([gafused.GradAccumulator(torch.optim.SGD(whole.parameters(), lr=LR), N, model=whole)], whole)
+    two = torch.nn.parallel.DistributedDataParallel(make_model())
+    first, rest = split(two)
+    opts = [gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=two) for part in (first, rest)]
+    window(opts, two)
+    said["two accumulators equal one"] = str(all(map(torch.equal, two.parameters(), whole.parameters())))
+    del opts
+
+    plain = torch.nn.parallel.DistributedDataParallel(make_model())
+    first, rest = split(plain)
+    opt = gafused.GradAccumulator(torch.optim.SGD(first, lr=LR), N, model=plain)
+    before = [param.detach().clone() for param in plain.parameters()]
+    other = torch.optim.SGD(rest, lr=LR)  # meant to step once per window, after the accumulator
+    try:
+        window([opt], plain)
+        other.step()
+        said["plain second optimizer"] = "no error"
+    except RuntimeError as error:
+        said["plain second optimizer"] = str(error)
+    said["plain second optimizer micro_step"] = str(opt.micro_step)  # the refused last step changed nothing
+    said["plain second optimizer params"] = str(all(map(torch.equal, plain.parameters(), before)))
+    opt.zero_grad()
+    del opt
+
+    module = make_model()
+    module._ddp_params_and_buffers_to_ignore = ["4.weight", "4.bias"]  # DDP never reduces these either
+    ignoring = torch.nn.parallel.DistributedDataParallel(module)
+    opt = gafused.GradAccumulator(torch.optim.SGD(list(module.parameters())[:4], lr=LR), N, model=ignoring)
+    try:
+        window([opt], ignoring)
+        said["params ddp ignores"] = "no error"
+    except RuntimeError as error:
+        said["params ddp ignores"] = str(error)
+    del opt
+
+    static = torch.nn.parallel.DistributedDataParallel(make_model(), static_graph=True)
+    try:
+        gafused.GradAccumulator(torch.optim.SGD(static.parameters(), lr=LR), N, model=static)
+        said["static graph"] = "no error"
+    except ValueError as error:
+        said["static graph"] = str(error)
+    said["static graph sync"] = str(static.require_backward_grad_sync)
     return said
 
 
