@@ -16,6 +16,7 @@ Error = |p - p_truth| / |p_truth - p0| over all parameters.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -162,6 +163,8 @@ CASES: dict[str, dict[str, Any]] = {
     f"gafused-step-clip/{MAIN}": {"recipe": "gafused-step", "clip": True},
     # save_state mid-window, then everything built anew, load_state, skip_first_batches: must equal gafused-clip.
     f"gafused-checkpoint-clip/{MAIN}": {"recipe": "gafused", "clip": True, "checkpoint": True},
+    # every accelerator.backward under accelerator.trigger_sync_in_backward(model): must equal gafused-clip.
+    f"gafused-trigger-clip/{MAIN}": {"recipe": "gafused", "clip": True, "trigger": True},
 }
 
 
@@ -184,7 +187,12 @@ def _build(recipe: str, clip: bool, data: str, world: int) -> tuple[Any, ...]:
 
 
 def run_case(
-    recipe: str, clip: bool, data: str = MAIN, checkpoint: bool = False, folder: str | None = None
+    recipe: str,
+    clip: bool,
+    data: str = MAIN,
+    checkpoint: bool = False,
+    trigger: bool = False,
+    folder: str | None = None,
 ) -> dict[str, Any]:
     """Train one epoch through one recipe on this process; return the final params, the ids each micro-batch held,
     the learning rate of each inner step, and gafused's norms."""
@@ -212,7 +220,9 @@ def run_case(
                     accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
                 optimizer.step()
             elif recipe == "gafused":
-                accelerator.backward(loss, weight=loss_tokens(batch))
+                # Accelerate's trigger would switch DDP's all-reduce on for this backward, on top of gafused's.
+                with accelerator.trigger_sync_in_backward(model) if trigger else contextlib.nullcontext():
+                    accelerator.backward(loss, weight=loss_tokens(batch))
                 optimizer.step()
             else:
                 loss.backward()
@@ -241,6 +251,74 @@ def run_case(
     }
 
 
+def _small() -> tuple[Any, ...]:
+    """Accelerator(gradient_accumulation_steps=GA) over a 3x2 linear model and SGD (DDP on several processes), its
+    optimizer handed to gafused, and GA micro-batches for this process."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+
+    import gafused.integrations.accelerate as gafused_accelerate
+
+    accelerator = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    rank = PartialState().process_index
+    data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * rank + i)) for i in range(GA)]
+    return accelerator, model, optimizer, data
+
+
+def _small_recipe(accelerator: Any, model: torch.nn.Module, optimizer: Any, data: list[torch.Tensor]) -> list:
+    """One window of the accumulate() recipe; the parameters after it."""
+    for x in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def refuse_without_accumulate() -> dict[str, Any]:
+    """The loop without accumulate(): backward every micro-batch and step every GA-th (plain Accelerate divides each
+    loss by GA). Its first accelerator.backward is refused, changing nothing: the accumulate() recipe then run on
+    the same objects ends bitwise where a fresh one does."""
+    fresh = _small_recipe(*_small())
+    accelerator, model, optimizer, data = _small()
+    refusal = None
+    try:
+        accelerator.backward(model(data[0]).square().mean())
+    except RuntimeError as error:
+        refusal = str(error)
+    after = {"micro_step": optimizer.micro_step, "grads": [p.grad is not None for p in model.parameters()]}
+    then = _small_recipe(accelerator, model, optimizer, data)
+    return {"refusal": refusal, "after": after, "then": then, "fresh": fresh}
+
+
+def refuse_trigger_on_the_class() -> dict[str, Any]:
+    """``Accelerator.trigger_sync_in_backward(model)``, the static method called on the class, not through the
+    accelerator, around a backward whose forward ran before it (Accelerate's documented use): under DDP it primes
+    DDP's reducer behind the adapter, and the backward inside it is refused."""
+    from accelerate import Accelerator
+
+    accelerator, model, optimizer, data = _small()
+    refusal = None
+    try:
+        with accelerator.accumulate(model):
+            loss = model(data[0]).square().mean()
+            with Accelerator.trigger_sync_in_backward(model):
+                accelerator.backward(loss)
+    except RuntimeError as error:
+        refusal = str(error)
+    return {"refusal": refusal, "micro_step": optimizer.micro_step}
+
+
+REFUSALS: dict[str, Callable[[], dict[str, Any]]] = {
+    "refusal/without-accumulate": refuse_without_accumulate,
+    "refusal/trigger-on-the-class": refuse_trigger_on_the_class,
+}
+
+
 def run_all() -> dict[str, Any]:
     """Every case on this process (every process of the run calls it); errors are reported by name."""
     warnings.filterwarnings("ignore", message=".*OMP_NUM_THREADS.*")
@@ -258,6 +336,11 @@ def run_all() -> dict[str, Any]:
             try:
                 results[name] = run_case(**case, folder=os.path.join(folders[0], name))
             except Exception as failure:  # reported by the test, named
+                results[name] = {"error": f"{type(failure).__name__}: {failure}"}
+        for name, check in REFUSALS.items():  # last: a refused trigger leaves its model's DDP reducer primed
+            try:
+                results[name] = check()
+            except Exception as failure:
                 results[name] = {"error": f"{type(failure).__name__}: {failure}"}
         if PartialState().num_processes > 1:
             PartialState().wait_for_everyone()  # rank 0's scratch folder outlives every rank's load_state
@@ -318,6 +401,7 @@ LABELS = {
     "gafused-clip": "Accelerate + gafused, `max_grad_norm`",
     "gafused-step-clip": "Accelerate + gafused, `loss.backward(); optimizer.step(weight=w)`",
     "gafused-checkpoint-clip": "Accelerate + gafused, `save_state` mid-window, resumed",
+    "gafused-trigger-clip": "Accelerate + gafused, backward under `trigger_sync_in_backward`",
 }
 
 

@@ -177,6 +177,47 @@ def test_save_state_mid_window_resumes_bitwise(runs: dict, world: int) -> None:
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_trigger_sync_in_backward_leaves_the_sync_to_gafused(runs: dict, world: int) -> None:
+    """accelerator.trigger_sync_in_backward(model) around every backward: under DDP it switched DDP's own all-reduce
+    on for that backward, and DDP's averaged gradients were folded on top of gafused's sum (the bias came out twice
+    plain Accelerate's update). With gafused it does nothing: its one reduction per window is already plain
+    Accelerate's result with the trigger, and the run equals the one without it, bitwise."""
+    for rank in range(world):
+        triggered = _result(runs, world, f"gafused-trigger-clip/{cases.MAIN}", rank)
+        straight = _result(runs, world, f"gafused-clip/{cases.MAIN}", rank)
+        assert triggered["norms"] == straight["norms"]
+        for a, b in zip(triggered["params"], straight["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_loop_without_accumulate_is_refused_on_every_process(runs: dict, world: int) -> None:
+    """Accelerator(gradient_accumulation_steps=4), backward every micro-batch, step every 4th, no accumulate(): the
+    first accelerator.backward is refused on every process, naming the recipe, before anything changed (under DDP
+    it used to fail at the second backward, after the first had launched its reductions), and the accumulate()
+    recipe run next on the same objects ends bitwise where a fresh one does."""
+    for rank in range(world):
+        result = _result(runs, world, "refusal/without-accumulate", rank)
+        assert result["refusal"] is not None
+        assert "no accelerator.accumulate(model) block was entered" in result["refusal"]
+        assert f"gradient_accumulation_steps is {cases.GA}" in result["refusal"]
+        assert result["after"] == {"micro_step": 0, "grads": [False, False]}
+        for a, b in zip(result["then"], result["fresh"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_trigger_called_on_the_class_is_refused_under_ddp(runs: dict) -> None:
+    """``Accelerator.trigger_sync_in_backward(model)`` (not through the accelerator) turns DDP's all-reduce on behind
+    the adapter: a backward inside it whose forward ran before it is refused on every rank before it runs. One process
+    has no DDP to trigger."""
+    for rank in range(2):
+        result = _result(runs, 2, "refusal/trigger-on-the-class", rank)
+        assert result["refusal"] is not None and "trigger_sync_in_backward" in result["refusal"]
+        assert result["micro_step"] == 0
+    assert _result(runs, 1, "refusal/trigger-on-the-class")["refusal"] is None
+
+
 # --- in-process checks, one process ----------------------------------------------------------------------------------
 
 
@@ -453,6 +494,108 @@ def test_a_refused_step_changes_nothing(fresh_accelerate) -> None:
     assert optimizer.micro_step == 0 and scheduler.scheduler.last_epoch == 3
     reference = _reference_windows(initial, batches, [[0, 1], [3], [4, 5]], [0.1, 0.1 / 2, 0.1 / 3])
     _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+_OUTSIDE = r"no accelerator\.accumulate\(model\) block was entered since the last optimizer\.step\(\)"
+
+
+@pytest.mark.parametrize("where", ["before any block", "after the block's step"])
+def test_backward_without_an_accumulate_block_is_refused(fresh_accelerate, where: str) -> None:
+    """gradient_accumulation_steps=2: plain Accelerate divides every loss by 2, also outside accumulate(), where
+    gafused would fold every backward until step() into one undivided micro-batch (an update 2x plain Accelerate's).
+    A backward with no accumulate() block entered since the last step() is refused before it runs: the recipe goes
+    on as if it had not been made."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    batches = list(loader)
+    refused = _OUTSIDE + r".*gradient_accumulation_steps is 2: plain Accelerate divides each loss by 2"
+    for index, batch in enumerate(loader):
+        if where == "before any block" and index == 0:
+            with pytest.raises(RuntimeError, match=refused):
+                accelerator.backward(model(batch).square().mean(), weight=1.0)
+            assert optimizer.micro_step == 0 and optimizer.accumulator._micro is None
+            assert all(p.grad is None for p in model.parameters())
+        with accelerator.accumulate(model):
+            _micro_batch(accelerator, model, optimizer, batch, index, "accelerator.backward")
+            if where == "after the block's step" and index == 2:
+                with pytest.raises(RuntimeError, match=refused):
+                    accelerator.backward(model(batch).square().mean())  # a second micro-batch in one block
+                assert optimizer.micro_step == 1 and optimizer.accumulator._micro is None
+            scheduler.step()
+            optimizer.zero_grad()
+    reference = _reference_windows(initial, batches, [[0, 1], [2, 3]], [0.1, 0.1 / 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+def test_backward_and_step_after_the_blocks_exit_belong_to_its_micro_batch(fresh_accelerate) -> None:
+    """The forward in the accumulate() block, backward and step() after it: each block's micro-batch is still told
+    apart (no block was refused), as plain Accelerate's flag, set by the block, still holds after it."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = model(batch).square().mean()
+        accelerator.backward(loss, weight=1.0 + index)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    reference = _reference_windows(initial, batches, [[0, 1], [2, 3]], [0.1, 0.1 / 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+@pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])
+def test_sync_gradients_set_false_outside_accumulate_is_refused(fresh_accelerate, loop: str) -> None:
+    """A loop that drives accelerator.sync_gradients by hand, without accumulate(): at False plain Accelerate's
+    step() does not step and the gradients go on summing, where gafused would end a micro-batch and average the
+    micro-batches. backward and step() are refused there, changing nothing."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=1, batches=2)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    accelerator.sync_gradients = False
+    loss = model(next(iter(loader))).square().mean()
+    refused = _OUTSIDE + r", and accelerator\.sync_gradients is False"
+    if loop == "accelerator.backward":
+        with pytest.raises(RuntimeError, match=refused):
+            accelerator.backward(loss)
+        assert all(p.grad is None for p in model.parameters())
+    else:
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=refused):
+            optimizer.step(weight=2.0)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert optimizer.micro_step == 0 and optimizer.accumulator._micro is None
+
+
+@pytest.mark.parametrize(
+    "loop, steps", [("accelerator.backward", 1), ("loss.backward", 4)], ids=["accelerator.backward", "loss.backward"]
+)
+def test_a_loop_without_accumulate_that_is_accepted_steps_as_plain_accelerate(
+    fresh_accelerate, loop: str, steps: int
+) -> None:
+    """Outside accumulate(), where nothing is refused, each step() is a window of its own: the sum of every gradient
+    since the last step(), plain Accelerate's update (its backward divides by gradient_accumulation_steps, 1 here;
+    loss.backward() divides by nothing, whatever gradient_accumulation_steps is). Two backward calls per step()."""
+
+    def train(with_gafused: bool) -> list[torch.Tensor]:
+        _reset_accelerate()
+        torch.manual_seed(0)
+        accelerator, model, optimizer, loader, _ = _prepared(steps=steps, batches=4)
+        if with_gafused:
+            optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+        for index, batch in enumerate(loader):
+            loss = model(batch).square().mean()
+            accelerator.backward(loss) if loop == "accelerator.backward" else loss.backward()
+            if index % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+        return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+    plain, with_gafused = train(False), train(True)
+    for a, b in zip(plain, with_gafused, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])

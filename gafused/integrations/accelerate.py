@@ -31,7 +31,16 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
   (the inner optimizer raised: gafused discarded the window), so the loop goes on; a refused ``step()`` changes
   nothing and can be made again. The optimizer returned here is an ``AcceleratedOptimizer`` whose
   ``step()`` always reaches the accumulator (the window's last finishes it) and whose ``step_was_skipped`` says
-  whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads.
+  whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads. A forward, backward or
+  ``step()`` made after its block's exit (before the next block) belongs to that block's micro-batch.
+- **Outside ``accumulate()``.** Plain Accelerate also runs a loop with no ``accumulate()`` block: ``sync_gradients``
+  keeps its last value (True from the start), ``backward`` still divides each loss by ``gradient_accumulation_steps``
+  and every ``step()`` steps on the sum since ``zero_grad()``. gafused cannot tell those micro-batches apart (every
+  backward until ``step()`` would be one undivided micro-batch), so with no ``accumulate()`` block entered since the
+  last ``step()``, ``accelerator.backward`` is refused when ``gradient_accumulation_steps`` > 1 (Accelerate asks for
+  ``accumulate()`` then too), and ``accelerator.backward`` or ``step()`` while ``sync_gradients`` is False (set by
+  hand, or a second ``step()`` in a block before the sync step); a refused call changes nothing. Otherwise each
+  ``step()`` is a window of its own: plain Accelerate's update (after ``loss.backward()``, its undivided sum).
 - **The scheduler** (``AcceleratedScheduler``) steps only when ``sync_gradients`` (and, without ``split_batches``,
   ``num_processes`` times, Accelerate's convention): once per gafused window. ``prepare`` points the accelerator's
   schedulers at the returned optimizer, so a skipped window does not advance them.
@@ -40,7 +49,12 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
   ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` on its parameters raise.
 - **DDP.** ``prepare()`` wraps the model in ``DistributedDataParallel``; it is passed to gafused as ``model=``, which
   turns DDP's own all-reduce off and reduces each bucket once per window with the global weight sum. The
-  ``no_sync()`` that ``accumulate()`` enters is harmless.
+  ``no_sync()`` that ``accumulate()`` enters is harmless, and ``accelerator.trigger_sync_in_backward(model)`` does
+  nothing for that model: gafused's one reduction per window already gives plain Accelerate's result with the
+  trigger, and DDP's all-reduce would be folded on top of it. Do not call it on the class
+  (``Accelerator.trigger_sync_in_backward``): that switches DDP's all-reduce on behind the adapter. A backward inside
+  it whose forward ran before it (Accelerate's documented use) is refused; one whose forward ran inside it cannot be
+  told from a plain backward and would be counted twice.
 - **Checkpoints.** ``save_state`` saves the optimizer's ``state_dict()`` (gafused's open window included) from the
   main process only, and ``accelerator.step`` (Accelerate's position in the window) per process. Under DDP each rank's
   open window holds its own, unreduced, part, so a save-state hook writes every rank's window to
@@ -50,6 +64,7 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -82,6 +97,28 @@ _STEP_EVERY_BLOCK = (
     "when accelerator.sync_gradients: each step() ends its micro-batch (the inner optimizer runs at the sync step "
     "only), and without it the micro-batches would be summed as one"
 )
+
+
+def _outside_block(call: str, steps: int) -> str:
+    """Why ``call``, made with no ``accumulate()`` block entered since the last ``step()``, is refused: Accelerate
+    divides by ``steps`` (``accelerator.backward``, ``steps`` > 1), or ``sync_gradients`` is False."""
+    if call.startswith("accelerator.backward") and steps != 1:
+        why = (
+            f"gradient_accumulation_steps is {steps}: plain Accelerate divides each loss by {steps} and steps with "
+            "the sum of the divided gradients, while gafused does not divide: every backward until the next step() "
+            f"would be folded into one micro-batch of weight 1, an update {steps} times plain Accelerate's"
+        )
+    else:
+        why = (
+            "accelerator.sync_gradients is False: plain Accelerate would not step here and would go on summing the "
+            "gradients until a sync step, while gafused would end a micro-batch here and average the micro-batches "
+            "at the window's end"
+        )
+    return (
+        f"{call}: no accelerator.accumulate(model) block was entered since the last optimizer.step(), and {why}; "
+        "gafused's windows are Accelerate's accumulate() windows: run each micro-batch in "
+        "`with accelerator.accumulate(model):` and call optimizer.step() and optimizer.zero_grad() in every block"
+    )
 
 
 class AcceleratedGradAccumulator(AcceleratedOptimizer):
@@ -150,6 +187,8 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
                 "the last optimizer.step(), and an earlier one left gradients no step() ended; " + _STEP_EVERY_BLOCK
             )
         sync = self.gradient_state.sync_gradients
+        if not sync and self._blocks == self._blocks_at_step:
+            raise RuntimeError(_outside_block("optimizer.step()", self.gradient_state.num_steps))
         # A refused call changes nothing (the same call can be made again in this block); a failed inner step
         # discards the window, and the next block finds nothing left to end (_enter_block).
         result = self.accumulator.step(closure, weight=weight, end_window=sync)
@@ -315,13 +354,18 @@ def prepare(
     for scheduler in accelerator._schedulers:
         if isinstance(scheduler, AcceleratedScheduler):
             scheduler.optimizers = [prepared if opt is optimizer else opt for opt in scheduler.optimizers]
-    _install(accelerator, prepared)
+    _install(accelerator, prepared, wrapped)
     return prepared
 
 
-def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> None:
-    """Route this accelerator's backward through gafused, refuse its clipping of gafused's parameters, and carry
-    every process's open window through save_state / load_state."""
+def _install(
+    accelerator: Accelerator,
+    prepared: AcceleratedGradAccumulator,
+    ddp: torch.nn.parallel.DistributedDataParallel | None,
+) -> None:
+    """Route this accelerator's backward through gafused, refuse its clipping of gafused's parameters, leave the
+    gradient sync of ``ddp`` (the DDP module gafused reduces, if any) to gafused, and carry every process's open
+    window through save_state / load_state."""
     accumulator = prepared.accumulator
     managed = {id(param) for group in accumulator.param_groups for param in group["params"]}
     clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
@@ -346,7 +390,22 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
                 "accelerator.backward(): the micro-batch of an earlier accelerator.accumulate() block was not ended "
                 "by optimizer.step(); " + _STEP_EVERY_BLOCK
             )
-        accumulator.backward(loss, weight=weight, end_window=accelerator.gradient_state.sync_gradients, **kwargs)
+        sync = accelerator.gradient_state.sync_gradients
+        steps = accelerator.gradient_state.num_steps
+        # Outside accumulate() nothing tells one micro-batch from the next: every backward until step() is one
+        # micro-batch. That is plain Accelerate's update only without its division (N = 1) and when step() steps.
+        if prepared._blocks == prepared._blocks_at_step and (steps != 1 or not sync):
+            raise RuntimeError(_outside_block("accelerator.backward()", steps))
+        if ddp is not None and ddp.require_backward_grad_sync:
+            raise RuntimeError(
+                "accelerator.backward(): DDP's own gradient synchronization is on for this backward (Accelerate's "
+                "trigger_sync_in_backward, called on the class, or require_backward_grad_sync set by hand); gafused "
+                "reduces the window's gradients itself, and DDP's averaged gradients would be folded on top of them. "
+                "The trigger has already set DDP's reducer to all-reduce this model's next backward, so this training "
+                "cannot go on: restart it without the call (accelerator.trigger_sync_in_backward(model), on this "
+                "accelerator, does nothing with gafused)"
+            )
+        accumulator.backward(loss, weight=weight, end_window=sync, **kwargs)
         prepared._blocks_at_backward = prepared._blocks
 
     def refuse_clipping(original: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -376,6 +435,18 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
         found = os.path.exists(path)
         prepared._loaded_window = torch.load(path, map_location="cpu", weights_only=True) if found else None
 
+    trigger = accelerator.trigger_sync_in_backward
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Any:
+        """Accelerate's, except for the DDP module gafused reduces: nothing to trigger, gafused all-reduces the
+        window's gradients once, at its end (DDP's all-reduce here would be counted on top of it)."""
+        if ddp is not None and getattr(model, "_orig_mod", model) is ddp:
+            yield
+            return
+        with trigger(model):
+            yield
+
     do_sync = accelerator._do_sync  # what accumulate() calls once per block, to count the micro-batch
 
     def counted_do_sync() -> None:
@@ -383,6 +454,7 @@ def _install(accelerator: Accelerator, prepared: AcceleratedGradAccumulator) -> 
         do_sync()
 
     accelerator.backward = backward
+    accelerator.trigger_sync_in_backward = trigger_sync_in_backward
     accelerator._do_sync = counted_do_sync
     accelerator.clip_grad_norm_ = refuse_clipping(clip_norm, "clip_grad_norm_")
     accelerator.clip_grad_value_ = refuse_clipping(clip_value, "clip_grad_value_")
