@@ -11,7 +11,7 @@ they are weighted, whatever their own dtype. One exception, on CPU: a middle fol
 float32 buffer is ``add_``'s type promotion, computed in float64 and rounded once into float32 (the other
 backends round the gradient first: they may differ by one float32 ulp).
 
-On CPU, where reading a 0-d tensor costs no device sync, a middle fold is one fused
+On CPU, where reading a 0-d tensor costs no device sync (``_host_scalars``), a middle fold is one fused
 ``add_(grad, alpha=weight)`` pass and the non-finite check is skipped when the sums of squares show every
 value finite; on other devices the rounding is exactly ``acc + (weight * grad)``, which the CUDA backend's
 tests hold bit for bit.
@@ -29,6 +29,14 @@ import torch
 __all__ = ["fold_", "fold_finish_", "sum_of_squares", "scale_"]
 
 
+def _host_scalars(device: torch.device) -> bool:
+    """Whether reading a 0-d tensor of ``device`` costs no device sync (then the weight can be a Python number).
+
+    The one place that picks the CPU path over the other devices' path; tests replace it to run the latter on CPU.
+    """
+    return device.type == "cpu"
+
+
 def _segments(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
     return [acc[start : start + numel] for start, numel in zip(offsets, numels, strict=True)]
 
@@ -43,7 +51,7 @@ def fold_(
 ) -> None:
     """acc[seg] = (0 if first else acc[seg]) + weight * grads[i]; a missing grad contributes zero."""
     w = weight.to(acc.dtype)
-    host_weight = w.item() if acc.device.type == "cpu" else None
+    host_weight = w.item() if _host_scalars(acc.device) else None
     for segment, grad in zip(_segments(acc, offsets, numels), grads, strict=True):
         if grad is None:
             if first:
@@ -85,7 +93,7 @@ def _sum_of_squares_and_flag(segments: list[torch.Tensor], acc: torch.Tensor) ->
         return acc.new_zeros(()), torch.zeros((), dtype=torch.bool, device=acc.device)
     per_segment = _per_segment_sum_of_squares(segments)
     total = per_segment.sum()
-    if acc.device.type == "cpu" and bool(torch.isfinite(total)):
+    if _host_scalars(acc.device) and bool(torch.isfinite(total)):
         # A finite sum of squares means every value is finite (inf squares to inf, nan propagates).
         return total, torch.zeros((), dtype=torch.bool, device=acc.device)
     nonfinite = torch.stack([(~torch.isfinite(segment)).any() for segment in segments]).any()

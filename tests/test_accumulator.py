@@ -396,6 +396,18 @@ def test_mid_window_checkpoint_resumes_exactly(backend, loop):
             opt.zero_grad()
     assert opt.micro_step == 2
 
+    resumed, resumed_opt = _resumed(model, opt, build)
+    assert resumed_opt.micro_step == 2
+    for x, y in batches[6:]:
+        _loss(resumed, x, y).backward()
+        resumed_opt.step(weight=x.shape[0])
+        resumed_opt.zero_grad()
+    for a, b in zip(resumed.parameters(), uninterrupted.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _resumed(model, opt, build):
+    """``build()``'s model and accumulator, loaded from a checkpoint of ``model`` and ``opt`` saved to bytes."""
     saved = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
     saved.seek(0)
@@ -403,11 +415,62 @@ def test_mid_window_checkpoint_resumes_exactly(backend, loop):
     resumed, resumed_opt = build()
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt.load_state_dict(checkpoint["opt"])
+    return resumed, resumed_opt
+
+
+def test_mid_window_checkpoint_with_weights_inexact_in_float32_resumes_exactly(backend, loop):
+    # Weights k/10 sum to no float32 number: a weight sum that lost precision on its way through the checkpoint
+    # would scale the resumed window's float64 mean by another factor. SGD keeps that factor in every update.
+    def build():
+        model = _model()
+        return model, GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 4, backend=backend)
+
+    batches = _data([3, 1, 4, 2, 5, 2, 3, 1], seed=91)
+    weights = [torch.tensor(0.1 * (index + 1), dtype=torch.float64) for index in range(len(batches))]
+    uninterrupted, uninterrupted_opt = build()
+    model, opt = build()
+    for index, ((x, y), weight) in enumerate(zip(batches, weights, strict=True)):
+        micro_batch(uninterrupted_opt, _loss(uninterrupted, x, y), loop, weight)
+        uninterrupted_opt.zero_grad()
+        if index < 6:  # 1 full window, then 2 micro-batches into the second
+            micro_batch(opt, _loss(model, x, y), loop, weight)
+            opt.zero_grad()
+    resumed, resumed_opt = _resumed(model, opt, build)
     assert resumed_opt.micro_step == 2
-    for x, y in batches[6:]:
-        _loss(resumed, x, y).backward()
-        resumed_opt.step(weight=x.shape[0])
+    for (x, y), weight in zip(batches[6:], weights[6:], strict=True):
+        micro_batch(resumed_opt, _loss(resumed, x, y), loop, weight)
         resumed_opt.zero_grad()
+    assert resumed_opt.stepped and uninterrupted_opt.stepped
+    for a, b in zip(resumed.parameters(), uninterrupted.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_parameter_unused_in_a_checkpointed_window_keeps_no_grad_and_is_not_decayed(backend, loop):
+    # A parameter with no gradient in the window must come out of the resumed window as it would have without the
+    # checkpoint: p.grad None, so AdamW leaves it alone (a zero gradient would decay it).
+    def build():
+        model = _model()
+        unused = torch.nn.Parameter(torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+        model.register_parameter("unused", unused)
+        inner = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        return model, GradAccumulator(inner, accumulation_steps=3, backend=backend)
+
+    batches = _data([2, 3, 4], seed=71)
+    uninterrupted, uninterrupted_opt = build()
+    model, opt = build()
+    unused_before = model.unused.detach().clone()
+    for index, (x, y) in enumerate(batches):
+        micro_batch(uninterrupted_opt, _loss(uninterrupted, x, y), loop)
+        if index < 1:
+            micro_batch(opt, _loss(model, x, y), loop)
+    resumed, resumed_opt = _resumed(model, opt, build)
+    assert resumed_opt.micro_step == 1
+    for x, y in batches[1:]:
+        micro_batch(resumed_opt, _loss(resumed, x, y), loop)
+    assert resumed_opt.stepped and uninterrupted_opt.stepped
+    assert resumed.unused.grad is None and uninterrupted.unused.grad is None
+    assert torch.equal(resumed.unused.detach(), unused_before)
+    assert resumed.unused not in resumed_opt.state
     for a, b in zip(resumed.parameters(), uninterrupted.parameters(), strict=True):
         assert torch.equal(a, b)
 

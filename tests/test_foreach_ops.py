@@ -1,6 +1,7 @@
-"""What the foreach backend promises beyond tests/test_triton_ops.py's comparisons: bitwise folds and scales on
-both of its paths (host weight on CPU, device weight elsewhere), exact non-finite flags where float64 sums of
-squares overflow, gradient shapes that change between calls, and views that do not keep a buffer alive."""
+"""What the foreach backend promises beyond tests/test_triton_ops.py's comparisons: bitwise folds (the finishing fold's
+values too) and scales on both of its paths (host weight on CPU, device weight elsewhere), exact non-finite flags
+where float64 sums of squares overflow, gradient shapes that change between calls, and views that do not keep a
+buffer alive."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from gafused import FlatGradBuffer, foreach_backend, ops
+from gafused import FlatGradBuffer, foreach_backend, ops, reference
 
 SHAPES = [(3, 5), (0,), (1,), (2, 3, 4), (17,), (1, 97)]
 GRAD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
@@ -54,22 +55,34 @@ def test_host_path_fold_is_bitwise_the_reference(grad_dtype, accum_dtype, chunk,
 @pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES.values(), ids=GRAD_DTYPES.keys())
-def test_device_path_fold_rounds_like_the_reference_device_path(grad_dtype, accum_dtype, chunk, monkeypatch):
-    # The path a GPU takes (the weight stays a tensor), run on CPU: acc + (grad * weight), each rounded once.
+def test_device_path_fold_is_bitwise_the_reference_device_path(grad_dtype, accum_dtype, chunk, monkeypatch):
+    # The path a GPU takes (the weight stays a tensor), run on CPU by both backends: acc + (grad * weight).
     monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)
+    monkeypatch.setattr(reference, "_host_scalars", lambda device: False)
     monkeypatch.setattr(foreach_backend, "DEVICE_CHUNK_BYTES", chunk)
     monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
     generator = torch.Generator().manual_seed(6)
-    candidate, _ = _buffers(accum_dtype, generator)
-    expected = candidate.data.clone()
+    candidate, expected = _buffers(accum_dtype, generator)
     weight = torch.tensor(0.37, dtype=accum_dtype)
     grads = _grads(candidate, grad_dtype, generator, missing={2})
     ops.fold_(candidate, grads, weight, first=False, backend="foreach")
-    for index, grad in enumerate(grads):
-        if grad is not None:
-            segment = expected[candidate.offsets[index] :][: candidate.numels[index]]
-            segment.copy_(segment + grad.reshape(-1).to(accum_dtype) * weight)
-    assert torch.equal(candidate.data, expected)
+    ops.fold_(expected, grads, weight, first=False, backend="reference")
+    assert torch.equal(candidate.data, expected.data)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host_path", "device_path"])
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+def test_fold_finish_values_are_bitwise_the_reference(accum_dtype, host, monkeypatch):
+    # A scale that is no power of two, given as a Python number: rounded once, into the buffer's dtype.
+    monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: host)
+    monkeypatch.setattr(reference, "_host_scalars", lambda device: host)
+    generator = torch.Generator().manual_seed(10)
+    candidate, expected = _buffers(accum_dtype, generator)
+    grads = _grads(candidate, torch.bfloat16, generator, missing={0})
+    _, flag = ops.fold_finish_(candidate, grads, torch.tensor(0.7), 1 / 3, first=False, backend="foreach")
+    _, expected_flag = ops.fold_finish_(expected, grads, torch.tensor(0.7), 1 / 3, first=False, backend="reference")
+    assert torch.equal(candidate.data, expected.data)
+    assert not flag and not expected_flag
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host_path", "device_path"])

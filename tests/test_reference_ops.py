@@ -1,10 +1,12 @@
 """The reference backend against float64 first principles, and the layout it works on."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
 
-from gafused import FlatGradBuffer, ops
+from gafused import FlatGradBuffer, ops, reference
 
 SHAPES = {
     "mixed": [(5,), (3, 7), (0,), (1,), (2, 3, 4), (17,)],
@@ -36,14 +38,26 @@ def _poison_padding(buffer):
     return ~inside
 
 
+# Both of the reference's paths run on CPU: the one it takes there (the weight read as a Python number) and the one
+# it takes on other devices (the weight kept a 0-d tensor), chosen by ``_host_scalars``.
+PATHS = {"host_path": True, "device_path": False}
+
+
+def _unit_roundoff(dtype):
+    return torch.finfo(dtype).eps / 2
+
+
+@pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("accum_dtype", [torch.float32, torch.float64], ids=str)
-def test_window_matches_float64(shapes, grad_dtype, accum_dtype):
+def test_window_matches_float64(shapes, grad_dtype, accum_dtype, path, monkeypatch):
+    monkeypatch.setattr(reference, "_host_scalars", lambda device: path)
     generator = torch.Generator().manual_seed(1)
     buffer = _buffer(shapes, accum_dtype)
     padding = _poison_padding(buffer)
-    weights = [0.5, torch.tensor(3.0), 2]
+    # Weights inexact in every float dtype: a weight or product rounded to the gradient's dtype shows.
+    weights = [0.3, torch.tensor(1.7, dtype=torch.float64), 0.45]
     windows = [_grads(buffer, grad_dtype, generator, missing={0} if k == 1 else ()) for k in range(3)]
     expected = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
     for grads, weight in zip(windows, weights, strict=True):
@@ -60,22 +74,33 @@ def test_window_matches_float64(shapes, grad_dtype, accum_dtype):
     tolerance = {torch.float32: 1e-6, torch.float64: 1e-13}[accum_dtype]
     for i, e in enumerate(expected):
         torch.testing.assert_close(buffer.view(i).double(), e, rtol=tolerance, atol=tolerance)
-    expected_sumsq = sum(float(e.square().sum()) for e in expected)
     assert sumsq.dtype == accum_dtype and sumsq.dim() == 0
-    assert float(sumsq) == pytest.approx(expected_sumsq, rel=10 * tolerance, abs=tolerance)
+    # The sum of squares of the values written, a dot product per segment then a sum of those, in any order: within
+    # n*u/(1 - n*u) of the exact sum, u the unit roundoff, n = longest segment + number of segments (Higham,
+    # "Accuracy and Stability of Numerical Algorithms", 3.1: a dot product of length m is within m*u/(1 - m*u)).
+    written = torch.cat([buffer.segment(i) for i in range(len(shapes))]).tolist()
+    exact = sum(Fraction(value) ** 2 for value in written)
+    bound = (max(buffer.numels) + len(shapes)) * _unit_roundoff(accum_dtype)
+    assert abs(Fraction(float(sumsq)) - exact) <= Fraction(bound / (1 - bound)) * exact
     assert nonfinite.dtype == torch.bool and not bool(nonfinite)
     assert torch.all(buffer.data[padding] == 12345.0)
 
 
-def test_first_fold_overwrites_and_zeroes_missing():
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_first_fold_overwrites_and_zeroes_missing(grad_dtype):
     generator = torch.Generator().manual_seed(2)
     buffer = _buffer(SHAPES["mixed"])
     buffer.data.normal_(generator=generator)  # stale values from an earlier window
-    grads = _grads(buffer, torch.float32, generator, missing={1})
-    ops.fold_(buffer, grads, 2.0, first=True, backend="reference")
+    grads = _grads(buffer, grad_dtype, generator, missing={1})
+    ops.fold_(buffer, grads, 0.3, first=True, backend="reference")
     for i, grad in enumerate(grads):
-        expected = torch.zeros(buffer.shapes[i]) if grad is None else 2.0 * grad
-        torch.testing.assert_close(buffer.view(i), expected)
+        if grad is None:
+            assert torch.equal(buffer.view(i), torch.zeros(buffer.shapes[i]))
+            continue
+        # The gradient's upcast to float32 is exact; the weight's rounding and the product's are within u each.
+        expected = 0.3 * grad.double()
+        rtol = 2 * _unit_roundoff(torch.float32) + _unit_roundoff(torch.float32) ** 2
+        torch.testing.assert_close(buffer.view(i).double(), expected, rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("position", ["first", "middle", "last"])

@@ -147,13 +147,14 @@ def test_fold_missing_grads(first, accum_dtype, candidate):
 @pytest.mark.parametrize("accum_dtype", **_ids(ACCUM_DTYPES))
 def test_last_fold_scales_a_segment_without_gradient_bit_for_bit(accum_dtype, candidate):
     # Segment 4 (1025 elements, past a block boundary) has no gradient on the last micro-batch: it is only
-    # multiplied by the scale, so its signed zeros stay negative, as in the reference.
+    # multiplied by the scale (no power of two: one rounding, in the buffer's dtype), so its signed zeros stay
+    # negative, as in the reference.
     candidate_buffer, reference_buffer = _buffers(LAYOUTS["mixed"], accum_dtype)
     for buffer in (candidate_buffer, reference_buffer):
         buffer.segment(4).view(-1)[::2] = -0.0
     grads = _grads(candidate_buffer, [torch.float32], missing={4})
-    ops.fold_finish_(candidate_buffer, grads, 1.0, 0.5, first=False, backend=candidate)
-    ops.fold_finish_(reference_buffer, grads, 1.0, 0.5, first=False, backend="reference")
+    ops.fold_finish_(candidate_buffer, grads, 1.0, 1 / 3, first=False, backend=candidate)
+    ops.fold_finish_(reference_buffer, grads, 1.0, 1 / 3, first=False, backend="reference")
     assert torch.equal(torch.signbit(candidate_buffer.segment(4)), torch.signbit(reference_buffer.segment(4)))
     assert torch.equal(candidate_buffer.segment(4), reference_buffer.segment(4))
 
@@ -174,9 +175,10 @@ def test_fold_mixed_grad_dtypes_in_one_call(accum_dtype, candidate):
 @pytest.mark.parametrize("shapes", **_ids(LAYOUTS))
 def test_fold_finish_matches_reference(shapes, first, accum_dtype, candidate):
     candidate_buffer, reference_buffer = _buffers(shapes, accum_dtype)
-    # Segment 1 has no gradient: it must still be scaled (and zeroed first when ``first``).
+    # Segment 1 has no gradient: it must still be scaled (and zeroed first when ``first``). The scale is no power of
+    # two: rounded anywhere but into the buffer's dtype, it shows.
     grads = _grads(candidate_buffer, [torch.bfloat16, torch.float16, torch.float32], missing={1})
-    weight, scale = torch.tensor(0.8), 0.25
+    weight, scale = torch.tensor(0.8), 1 / 3
     result = ops.fold_finish_(candidate_buffer, grads, weight, scale, first=first, backend=candidate)
     expected = ops.fold_finish_(reference_buffer, grads, weight, scale, first=first, backend="reference")
     _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
