@@ -337,9 +337,9 @@ class OwnForSequenceClassification(_Head):
         return self.loss_function(self.score(x), labels, config=self.config, **kwargs)
 
 
-def test_a_causal_head_with_its_own_unshifted_loss_counts_every_label(tmp_path: Path) -> None:
-    """BartForCausalLM declares loss_type="ForCausalLM" (Trainer would count labels[..., 1:]) but its forward
-    scores every label with CrossEntropyLoss(): each micro-batch's weight is all of its labels that are not -100."""
+def _bart_causal_lm() -> transformers.BartForCausalLM:
+    """A tiny BartForCausalLM (no dropout): it declares loss_type="ForCausalLM" but computes CrossEntropyLoss()
+    over every label itself, and its class is a causal LM of transformers' auto mapping."""
     config = transformers.BartConfig(
         vocab_size=cases.VOCAB,
         d_model=16,
@@ -352,14 +352,147 @@ def test_a_causal_head_with_its_own_unshifted_loss_counts_every_label(tmp_path: 
         max_position_embeddings=32,
         is_decoder=True,
         is_encoder_decoder=False,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        decoder_layerdrop=0.0,
     )
-    model = transformers.BartForCausalLM(config)
+    torch.manual_seed(0)
+    return transformers.BartForCausalLM(config)
+
+
+def test_a_causal_head_with_its_own_unshifted_loss_counts_every_label(tmp_path: Path) -> None:
+    """BartForCausalLM declares loss_type="ForCausalLM" (Trainer would count labels[..., 1:]) but its forward
+    scores every label with CrossEntropyLoss(): each micro-batch's weight is all of its labels that are not -100."""
+    model = _bart_causal_lm()
     assert model.loss_type == "ForCausalLM"
     assert _trainer(tmp_path, transformers.Trainer, model=model)._loss_shifts_labels  # Trainer's rule
     trainer = _trainer(tmp_path, model=model)
     assert trainer.model_accepts_loss_kwargs is False and trainer._loss_shifts_labels is False
     labels = torch.tensor([[5, 6, -100, 7], [8, -100, -100, -100]])
     assert int(trainer.loss_items({"labels": labels})) == 4  # the first label counts: it is scored
+
+
+class _TwoSequences(torch.utils.data.Dataset):
+    """One sequence of 3 tokens and one of 12 (one label -100): one window of 2 micro-batches whose items differ
+    4x, and by one per sequence whether the first label counts (2 + 10 after the shift, 3 + 11 without)."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.items = []
+        for n in (3, 12):
+            tokens = torch.randint(3, cases.VOCAB, (n,), generator=generator)
+            labels = tokens.clone()
+            if n > 3:
+                labels[5] = -100
+            self.items.append({"input_ids": tokens, "labels": labels})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def _smoothed_sum(logits: torch.Tensor, labels: torch.Tensor, epsilon: float, shift: bool) -> torch.Tensor:
+    """The label-smoothed cross-entropy summed over the labels that are not -100 (after the shift by one when
+    ``shift``): (1 - epsilon) * nll + epsilon * the mean over the vocabulary of -log p, per scored label."""
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    log_p = torch.log_softmax(logits, dim=-1)
+    scored = labels != -100
+    nll = -log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return ((1 - epsilon) * nll - epsilon * log_p.mean(-1))[scored].sum()
+
+
+def _causal_loss_func(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func of the user's: the causal-LM cross-entropy summed after the shift, over Trainer's count."""
+    return _smoothed_sum(outputs.logits, labels, 0.0, shift=True) / num_items_in_batch
+
+
+@pytest.mark.parametrize(
+    ("how", "compiled", "shift", "gpt2"),
+    [
+        ("label_smoothing", False, True, False),
+        ("label_smoothing", True, False, False),
+        ("compute_loss_func", False, True, False),
+        ("compute_loss_func", False, True, True),
+    ],
+    ids=["label-smoothing", "label-smoothing-compiled", "compute-loss-func", "compute-loss-func-gpt2"],
+)
+def test_a_loss_trainer_computes_is_counted_like_trainer_counts_it(
+    tmp_path: Path, how: str, compiled: bool, shift: bool, gpt2: bool
+) -> None:
+    """With label_smoothing_factor or a compute_loss_func, Trainer pops the labels and computes the loss itself,
+    whatever the model's forward does with them (BartForCausalLM's own loss keeps every label). Its LabelSmoother
+    shifts the labels for a class of transformers' causal-LM auto mapping, read off the model compute_loss gets
+    (under torch.compile its wrapper's class, which is none: no shift); a compute_loss_func divides by Trainer's
+    num_items_in_batch, counted after the shift for loss_type="ForCausalLM". One window of a 3-token and a
+    12-token micro-batch (SGD, lr 1, no clipping) must step by the float64 gradient of the window's token mean of
+    that loss, like plain Trainer does; counting the items the way the model's own loss would (3 : 12 for a
+    13-item loss) is 1e-1 off. A GPT2LMHeadModel leaves loss_type unset: plain Trainer counts its items before
+    the shift, and a compute_loss_func over its labels, which shifts them, is divided by one item per sequence
+    too many there; GafusedTrainer counts after the shift."""
+    epsilon = 0.1 if how == "label_smoothing" else 0.0
+    data = _TwoSequences()
+    model = cases.make_model() if gpt2 else _bart_causal_lm()
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    items = sum(int((item["labels"][1:] if shift else item["labels"]).ne(-100).sum()) for item in data.items)
+    total = sum(
+        _smoothed_sum(truth(input_ids=item["input_ids"][None]).logits, item["labels"][None], epsilon, shift)
+        for item in data.items
+    )
+    (total / items).backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+
+    def build(cls: type, module: torch.nn.Module) -> transformers.Trainer:
+        return cls(
+            model=torch.compile(module, backend="eager") if compiled else module,
+            args=cases._arguments(
+                str(tmp_path),
+                learning_rate=1.0,
+                max_grad_norm=0.0,
+                lr_scheduler_type="constant",
+                gradient_accumulation_steps=2,
+                label_smoothing_factor=epsilon,
+                remove_unused_columns=not compiled,  # Trainer reads the columns off the wrapper's forward
+            ),
+            train_dataset=data,
+            data_collator=lambda batch: {key: torch.stack([item[key] for item in batch]) for key in batch[0]},
+            compute_loss_func=_causal_loss_func if how == "compute_loss_func" else None,
+        )
+
+    if not compiled:  # plain Trainer is exact here too (compiled, it counts after the shift the smoother skips)
+        plain = copy.deepcopy(model)
+        build(transformers.Trainer, plain).train()
+        assert (_step_error(plain, start, grads) < 1e-5) is not gpt2  # GPT-2: plain counts before the shift
+    trainer = build(GafusedTrainer, model)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    error = _step_error(model, start, grads)
+    assert error < 1e-5, error
+    assert trainer._loss_shifts_labels is shift
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_label_smoothing_counts_the_labels_the_smoother_scores(tmp_path: Path, causal: bool) -> None:
+    """The LabelSmoother scores ``labels`` (after the shift for a causal LM of the auto mapping, before it for
+    BertForMaskedLM), never a batch's ``shift_labels``: both the per-micro-batch weight (loss_items) and the window's
+    num_items_in_batch Trainer hands it count those."""
+    if causal:
+        model = _bart_causal_lm()
+    else:
+        config = transformers.BertConfig(
+            vocab_size=cases.VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+        model = transformers.BertForMaskedLM(config)
+    trainer = _trainer(tmp_path, model=model, label_smoothing_factor=0.1)
+    labels = torch.tensor([[5, 6, -100, 7], [8, -100, -100, -100]])
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels, "shift_labels": torch.full_like(labels, -100)}
+    expected = 2 if causal else 4
+    assert int(trainer.loss_items(batch)) == expected
+    assert int(trainer._get_num_items_in_batch([batch, batch], torch.device("cpu"))) == 2 * expected
 
 
 class OwnShiftingForCausalLM(_Head):

@@ -39,6 +39,14 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
 - Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
+- The two rules above read the model because its loss is the training loss. With ``label_smoothing_factor`` or a
+  ``compute_loss_func``, Trainer pops the labels and computes the loss itself, and GafusedTrainer follows Trainer,
+  not the forward: Trainer's LabelSmoother takes ``num_items_in_batch`` whenever Trainer passes it (so Trainer's
+  ``model_accepts_loss_kwargs`` stands) and scores ``labels``, never a batch's ``shift_labels``, after the shift
+  exactly when the class of the model ``compute_loss`` unwraps (torch.compile's wrapper kept, PEFT's
+  ``base_model.model``) is a causal LM of transformers' auto mapping; its items, per micro-batch and in
+  ``num_items_in_batch``, are counted so. A ``compute_loss_func`` gets ``num_items_in_batch`` counted after the
+  shift for a causal LM (Trainer's count for ``loss_type="ForCausalLM"``, and the causal LMs above without one).
 - Clipping: Trainer's ``max_grad_norm`` is handed to the accumulator, which clips the finished gradient by its global
   norm; Trainer's own clipping does not run. The logged ``grad_norm`` is the accumulator's.
 """
@@ -60,7 +68,7 @@ try:
     from accelerate.optimizer import AcceleratedOptimizer
     from transformers.loss.loss_utils import LOSS_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from transformers.trainer_utils import unwrap_peft_model
+    from transformers.trainer_utils import _is_peft_model, unwrap_peft_model
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         f"gafused.integrations.transformers needs transformers and accelerate ({error}); install them with: "
@@ -83,12 +91,19 @@ _DECIDED = {
 # __init__ sets. Checked at construction, so a Trainer that lacks one fails loudly instead of training without gafused.
 _TRAINER_METHODS = (
     "_prepare_for_training",
+    "_get_num_items_in_batch",
     "_load_optimizer_and_scheduler",
     "_load_scaler",
     "_clip_grad_norm",
     "_get_grad_norm",
 )
-_TRAINER_ATTRIBUTES = ("_loss_shifts_labels", "model_accepts_loss_kwargs", "compute_loss_func", "loss_is_scaled_for_ga")
+_TRAINER_ATTRIBUTES = (
+    "_loss_shifts_labels",
+    "model_accepts_loss_kwargs",
+    "compute_loss_func",
+    "loss_is_scaled_for_ga",
+    "label_smoother",
+)
 
 
 _NOTHING = object()
@@ -134,13 +149,19 @@ class GafusedTrainer(transformers.Trainer):
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
         self._check_supported()
-        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
-        # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
-        # the means. Its loss is what it is, so it is weighed as one (see module docstring).
-        # The model whose forward computes the loss: torch.compile's and PEFT's wrappers removed.
-        inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
-        if self.model_accepts_loss_kwargs and _loss_ignores_item_count(inspected):
-            self.model_accepts_loss_kwargs = False
+        # Who computes the training loss decides what it averages over (see module docstring): Trainer's
+        # compute_loss_func or its LabelSmoother (both pop the labels before the forward), else the model.
+        self._smoothed = self.compute_loss_func is None and self.label_smoother is not None
+        if self.compute_loss_func is None and self.label_smoother is None:
+            self._count_like_the_model()
+        elif self._smoothed:
+            self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, self.model)
+        else:
+            # A compute_loss_func scores the labels it is given; over a causal LM's labels (copies of the inputs) it
+            # shifts them, so its items are counted after the shift: Trainer's count for loss_type="ForCausalLM",
+            # and also for causal LMs that leave loss_type unset (GPT2LMHeadModel).
+            inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+            self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
         self._sums = self._loss_normalized_over_window()
         if self._sums and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             raise ValueError(
@@ -148,12 +169,6 @@ class GafusedTrainer(transformers.Trainer):
                 "which no accumulation can turn into the big batch's; keep TrainingArguments' default "
                 "average_tokens_across_devices=True"
             )
-        # Count a causal LM's loss items after the shift whenever its loss shifts the labels (see module docstring).
-        own = _own_loss_shifts_labels(type(inspected).forward)
-        if own is not None:
-            self._loss_shifts_labels = own
-        else:
-            self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
         self.accumulator: GradAccumulator | None = None
         self._window_micro_batches = 1
         self._norm: torch.Tensor | None = None
@@ -170,6 +185,23 @@ class GafusedTrainer(transformers.Trainer):
             raise ValueError("fsdp: GafusedTrainer does not support FSDP through Trainer yet; DDP is supported")
         if self.get_tp_size() > 1 or self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise ValueError("parallelism_config: GafusedTrainer supports data parallelism (DDP) only")
+
+    def _count_like_the_model(self) -> None:
+        """The model's own loss is the training loss: whether it takes ``num_items_in_batch`` and whether it drops
+        each sequence's first label are read from the model (see module docstring)."""
+        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
+        # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
+        # the means. Its loss is what it is, so it is weighed as one.
+        # The model whose forward computes the loss: torch.compile's and PEFT's wrappers removed.
+        inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        if self.model_accepts_loss_kwargs and _loss_ignores_item_count(inspected):
+            self.model_accepts_loss_kwargs = False
+        # Count a causal LM's loss items after the shift whenever its loss shifts the labels.
+        own = _own_loss_shifts_labels(type(inspected).forward)
+        if own is not None:
+            self._loss_shifts_labels = own
+        else:
+            self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
 
     def _loss_normalized_over_window(self) -> bool:
         """Whether Trainer normalizes each micro-batch's loss over the window (its rule in ``training_step``)."""
@@ -193,6 +225,8 @@ class GafusedTrainer(transformers.Trainer):
         # Trainer wraps the model (DDP) and prepares the optimizer here, then loads the checkpoint's optimizer state.
         # The accumulator needs the wrapped model, so it is built in between and the checkpoint loaded into it.
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if self._smoothed:  # the model compute_loss gets, compiled here when args.torch_compile
+            self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, model)
         self._install_accumulator(model)
         if resume_from_checkpoint is not None:
             accelerated = self.optimizer
@@ -237,15 +271,25 @@ class GafusedTrainer(transformers.Trainer):
         )
         accelerated.optimizer = self.accumulator
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
+        # Trainer counts a batch's shift_labels when it has them, but its LabelSmoother scores the labels it pops
+        # (after its own shift for causal LMs), never shift_labels: count those, as loss_items does.
+        if self._smoothed:
+            batch_samples = [_without_shift_labels(batch) for batch in batch_samples]
+        return super()._get_num_items_in_batch(batch_samples, device)
+
     def loss_items(self, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The number of items a micro-batch's mean loss averages over: its weight when losses are per-micro-batch
         means (models that take no ``num_items_in_batch``).
 
         The labels that are not -100 (``shift_labels`` when the batch has them; for causal LMs, ``labels[..., 1:]``:
-        the first label of each sequence is never predicted). Override it for losses that average over something
-        else.
+        the first label of each sequence is never predicted). With ``label_smoothing_factor``, Trainer's
+        LabelSmoother scores ``labels``, after the shift when the model's class is a causal LM of transformers'
+        auto mapping. Override it for losses that average over something else.
         """
-        if "shift_labels" in inputs:
+        if self._smoothed and "labels" in inputs:
+            labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
+        elif "shift_labels" in inputs:
             labels = inputs["shift_labels"]
         elif "labels" in inputs:
             labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
@@ -450,6 +494,23 @@ def _own_loss_shifts_labels(forward: Any) -> bool | None:
             ):
                 return True
     return False
+
+
+def _label_smoother_shifts(accelerator: Any, model: torch.nn.Module) -> bool:
+    """Whether Trainer's ``compute_loss`` calls its LabelSmoother with ``shift_labels=True`` for ``model``: when the
+    class name of the model it unwraps (Accelerate's wrappers removed, torch.compile's kept; a PEFT model's
+    ``base_model.model``) is a causal LM of transformers' auto mapping."""
+    unwrapped = accelerator.unwrap_model(model)
+    if _is_peft_model(unwrapped):
+        unwrapped = unwrapped.base_model.model
+    return unwrapped._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _without_shift_labels(batch: Any) -> Any:
+    """A labelled batch as the LabelSmoother sees it: without ``shift_labels``."""
+    if isinstance(batch, Mapping) and "labels" in batch and "shift_labels" in batch:
+        return {key: value for key, value in batch.items() if key != "shift_labels"}
+    return batch
 
 
 def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
