@@ -266,16 +266,18 @@ def _note(recipe: str, dtype: torch.dtype, backend: str) -> str:
     return ""
 
 
-def run(quick: bool, progress: Callable | None = None) -> list[dict]:
+def run(quick: bool, progress: Callable | None = None, device: torch.device | None = None) -> list[dict]:
     """Every recipe for fp32 and bf16 parameters: rows of recipe, param_dtype, peak_bytes_per_param, note.
 
     Args:
         quick: a smaller model (8 x Linear(512, 512), 1 MiB buckets) instead of ~100 MB of parameters.
         progress: optional ``progress(desc, total)`` returning an object with ``update()`` and ``close()``.
+        device: where to measure (default: CUDA when available, else CPU).
     """
     layers, width = (8, 512) if quick else (24, 1024)
     bucket_bytes = 2**20 if quick else gafused.buffer.DEFAULT_BUCKET_BYTES
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = [
         (recipe, dtype)
         for dtype in (torch.float32, torch.bfloat16)

@@ -119,7 +119,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="print the full tables before the summary")
     parser.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the PNGs of a results file and exit")
     parser.add_argument("--table", type=Path, metavar="JSON", help="print the README's tables of a results file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.accumulation_steps < 3:
+        steps = args.accumulation_steps
+        parser.error(f"--accumulation-steps must be >= 3 (a first, a middle and a last micro-batch), got {steps}")
+    return args
 
 
 def _mode(args: argparse.Namespace) -> str:
@@ -324,8 +328,8 @@ def format_e2e_table(result: dict, device_label: str) -> str:
     return "\n".join(lines)
 
 
-def run_memory(quick: bool, progress) -> tuple[list[dict] | None, str | None]:
-    """Rows of ``bench/memory.py`` (``memory.run(quick, progress)``), or None and why there are none."""
+def run_memory(quick: bool, progress, device: torch.device) -> tuple[list[dict] | None, str | None]:
+    """Rows of ``bench/memory.py`` (``memory.run(quick, progress, device)``), or None and why there are none."""
     try:
         import memory
     except ModuleNotFoundError as error:
@@ -335,7 +339,7 @@ def run_memory(quick: bool, progress) -> tuple[list[dict] | None, str | None]:
     except ImportError as error:
         return None, f"failed to import: {error}"
     try:
-        return memory.run(quick, progress), None
+        return memory.run(quick, progress, device), None
     except Exception as error:  # noqa: BLE001 - a failing part is reported on the summary, the others still run
         return None, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
@@ -399,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         device_label += f" ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     now = datetime.datetime.now(datetime.timezone.utc)
     out = args.out if args.out is not None else default_out()
+    # Refused before anything runs, not after minutes of measuring.
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out: {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):
+        raise SystemExit(f"--out: {out} is not writable")
     progress = progress_bars.factory(not args.no_progress)
     print(
         f"gafused {gafused.__version__}, {mode} run on {device_label}, torch {torch.__version__}; results to {out}",
@@ -415,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.kernels_only:
         # The Triton count runs in a child process beside the untimed parts (memory, correctness).
         count = triton_launches.Count().start() if device.type == "cpu" else None
-        results["memory"], results["memory_status"] = run_memory(MEMORY_QUICK[mode], progress)
+        results["memory"], results["memory_status"] = run_memory(MEMORY_QUICK[mode], progress, device)
         results["correctness"] = correctness.run_correctness(progress)
         results["triton_launches"] = count.result() if count is not None else None
     rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps, progress)
@@ -424,7 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         e2e_result = e2e.run_e2e(device, mode, timer, progress=progress)
     kernel_rows = [] if args.no_kernels else kernels.run_kernel_sweep(device, mode, timer, progress)
 
-    out.mkdir(parents=True, exist_ok=True)
     suffix = ("" if mode == "default" else f"-{mode}") + ("-kernels-only" if args.kernels_only else "")
     stem = out / f"{_sanitize(device_label)}-{now:%Y%m%d-%H%M%S}{suffix}"
     meta = {
@@ -475,9 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         print(tables)
     print(screen, flush=True)
-    failed = [r for r in rows if r["status"].startswith("failed")]
+    print(f"wrote {stem.with_suffix('.json')}", file=sys.stderr, flush=True)
+    failed = [r for r in rows + kernel_rows if str(r.get("status", "ok")).startswith("failed")]
     if failed:
         print(f"{len(failed)} row(s) failed; see the status column of {written[1]}", file=sys.stderr)
+        return 1
     return 0
 
 
