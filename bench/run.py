@@ -95,7 +95,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--providers", help=f"comma-separated, from {', '.join(providers.PROVIDERS)}")
     parser.add_argument("--dtypes", help="gradient dtypes, from bf16, fp32 (default: bf16; both in --quick/--full)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--accumulation-steps", type=int, default=4, help="N (>= 3)")
+    parser.add_argument(
+        "--accumulation-steps", type=int, default=4, help="the micro-benchmark's N (>= 3; end to end always uses 4)"
+    )
     parser.add_argument(
         "--compile-max-tensors",
         type=int,
@@ -461,7 +463,12 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cpu"
             else "caches flushed before every sample; times include host launch overhead (device idle at start)"
         ),
-        "timer": {"budget_s": timer.budget_s, "min_reps": timer.min_reps, "max_reps": timer.max_reps},
+        "timer": {
+            "budget_s": timer.budget_s,
+            "min_reps": timer.min_reps,
+            "max_reps": timer.max_reps,
+            "warmup": timer.warmup,
+        },
         # Other work on the machine stretches times: the 1-minute load average at the run's start and end.
         "load_average_1min": [load_before, _load_average()],
         "sets": {s.name: s.description for s in param_sets.default_sets(device.type, mode)},
