@@ -151,17 +151,18 @@ class GafusedTrainer(transformers.Trainer):
         self._check_supported()
         # Who computes the training loss decides what it averages over (see module docstring): Trainer's
         # compute_loss_func or its LabelSmoother (both pop the labels before the forward), else the model.
+        # The model whose forward computes the loss: torch.compile's and PEFT's wrappers removed.
+        inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         self._smoothed = self.compute_loss_func is None and self.label_smoother is not None
-        if self.compute_loss_func is None and self.label_smoother is None:
-            self._count_like_the_model()
-        elif self._smoothed:
+        if self._smoothed:
             self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, self.model)
-        else:
+        elif self.compute_loss_func is not None:
             # A compute_loss_func scores the labels it is given; over a causal LM's labels (copies of the inputs) it
             # shifts them, so its items are counted after the shift: Trainer's count for loss_type="ForCausalLM",
             # and also for causal LMs that leave loss_type unset (GPT2LMHeadModel).
-            inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
             self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
+        else:
+            self._count_like_the_model(inspected)
         self._sums = self._loss_normalized_over_window()
         if self._sums and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             raise ValueError(
@@ -186,14 +187,12 @@ class GafusedTrainer(transformers.Trainer):
         if self.get_tp_size() > 1 or self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise ValueError("parallelism_config: GafusedTrainer supports data parallelism (DDP) only")
 
-    def _count_like_the_model(self) -> None:
+    def _count_like_the_model(self, inspected: torch.nn.Module) -> None:
         """The model's own loss is the training loss: whether it takes ``num_items_in_batch`` and whether it drops
-        each sequence's first label are read from the model (see module docstring)."""
+        each sequence's first label are read from ``inspected``, the model under its wrappers (module docstring)."""
         # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
         # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
         # the means. Its loss is what it is, so it is weighed as one.
-        # The model whose forward computes the loss: torch.compile's and PEFT's wrappers removed.
-        inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         if self.model_accepts_loss_kwargs and _loss_ignores_item_count(inspected):
             self.model_accepts_loss_kwargs = False
         # Count a causal LM's loss items after the shift whenever its loss shifts the labels.
