@@ -222,6 +222,36 @@ def test_overridden_backward_or_clipping_hook_is_refused(hook: str) -> None:
     _fit_refused(overridden(0), RuntimeError, f"overrides LightningModule.{hook}")
 
 
+def test_adding_a_param_group_during_fit_says_what_to_do() -> None:
+    """Lightning's BaseFinetuning callbacks add a group to trainer.optimizers[0] when they unfreeze; the message
+    speaks to a Lightning user, who never built a GradAccumulator."""
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Unfreezing(TinyLM):
+        def on_train_epoch_start(self) -> None:
+            if self.current_epoch == 1:
+                extra = torch.nn.Parameter(torch.zeros(3))
+                self.trainer.optimizers[0].add_param_group({"params": [extra]})
+
+    callback = GradAccumulation(weight=cases.tokens)
+    with pytest.raises(RuntimeError, match="BaseFinetuning.*configure_optimizers"):
+        _quiet_trainer(callbacks=[callback], max_epochs=2).fit(Unfreezing(0))
+
+
+def test_an_optimizer_step_that_runs_the_closure_itself_is_told_how_to_step() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class SkippingNonFinite(TinyLM):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:  # noqa: ANN001
+            loss = optimizer_closure()
+            if torch.isfinite(loss):
+                optimizer.step()
+
+    callback = GradAccumulation(weight=cases.tokens)
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(closure=optimizer_closure\)"):
+        _quiet_trainer(callbacks=[callback], limit_train_batches=cases.N).fit(SkippingNonFinite(0))
+
+
 def test_bad_weight_names_the_weight_function() -> None:
     _, TinyLM, _ = cases._lightning_classes()
     callback = GradAccumulation(weight=lambda batch: -1.0)

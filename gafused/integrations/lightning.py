@@ -81,6 +81,16 @@ class _LightningAccumulator(GradAccumulator):
     _lightning_in_step = False  # inside Lightning's step(closure): a backward now must be a window's last
     _lightning_end_declared = False  # a backward declared the window's end; its step() has not come yet
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused, as for any GradAccumulator, with what a Lightning user can do about it."""
+        raise RuntimeError(
+            "add_param_group(): under GradAccumulation the optimizer is a GradAccumulator, whose buffers are laid out "
+            "for the parameters it was built with, so a group cannot be added during fit (as Lightning's "
+            "BaseFinetuning / BackboneFinetuning callbacks do when they unfreeze). Put every parameter in the "
+            "optimizer from configure_optimizers (a frozen one, requires_grad=False, takes no gradient until it is "
+            "unfrozen), or train without GradAccumulation"
+        )
+
     @torch._disable_dynamo
     def step(
         self,
@@ -308,7 +318,9 @@ class GradAccumulation(Callback):
         if sync and not accumulator._lightning_in_step:
             raise RuntimeError(
                 "GradAccumulation: this batch ends a window by Lightning's rule, but its backward runs outside "
-                "optimizer.step(closure); the callback does not know this Lightning version's windows"
+                "optimizer.step(closure). If your LightningModule.optimizer_step calls optimizer_closure() itself, "
+                "pass it to the step instead: optimizer.step(closure=optimizer_closure) (gafused then skips a "
+                "non-finite window on its own); otherwise the callback does not know this Lightning version's windows"
             )
         # Lightning divided the loss by accumulate_grad_batches; gafused weighs the micro-batches itself.
         scaled = loss * trainer.accumulate_grad_batches
