@@ -152,6 +152,15 @@ class DDPSync(Sync):
                 "synchronization off and reduces the buckets itself, which a static-graph reducer cannot follow "
                 "(it fails with an internal assert); build the DDP module with static_graph=False"
             )
+        if getattr(model, "_comm_hooks", None):
+            hook = model._comm_hooks[0][0]
+            warnings.warn(
+                f"model: the DDP module has a communication hook ({getattr(hook, '__name__', type(hook).__name__)}, "
+                "from register_comm_hook or Lightning's DDPStrategy(ddp_comm_hook=...)) that will not run: gafused "
+                "turns DDP's all-reduce off and all-reduces each bucket itself once per window "
+                "(reduce_dtype=torch.bfloat16 halves its bytes)",
+                stacklevel=4,
+            )
         self._model = model
         # What DDP itself would all-reduce: the parameters not in its ignore list (by either name DDP matches).
         ignored = model.parameters_to_ignore

@@ -596,6 +596,13 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
         said["params ddp ignores"] = str(error)
     del opt
 
+    hooked = _wrap("ddp", rank)  # a communication hook, which gafused's own reduction bypasses
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = gafused.GradAccumulator(torch.optim.SGD(hooked.parameters(), lr=LR), N, model=hooked)
+    said["comm hook"] = " | ".join(str(w.message) for w in caught)
+    del opt
+
     static = torch.nn.parallel.DistributedDataParallel(make_model(), static_graph=True)
     try:
         gafused.GradAccumulator(torch.optim.SGD(static.parameters(), lr=LR), N, model=static)

@@ -253,6 +253,7 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["params ddp ignores"] == "no error"
         assert "static_graph=False" in said["static graph"]
         assert said["static graph sync"] == "True"
+        assert "_counting_allreduce_hook" in said["comm hook"] and "will not run" in said["comm hook"]
 
 
 def test_no_warning_without_distributed() -> None:
