@@ -157,12 +157,20 @@ def test_micro_batches_are_the_ones_the_truth_uses(runs: dict, world: int) -> No
             assert _result(runs, world, name, rank)["seen"] == expected
 
 
+def _same_tensors(first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def _same_run(first: dict, second: dict) -> None:
+    """Two runs end bitwise alike: the same norm at every window and the same parameters."""
+    assert first["norms"] == second["norms"]
+    _same_tensors(first["params"], second["params"])
+
+
 @pytest.mark.parametrize("name", list(cases.CASES))
 def test_ranks_agree_bitwise(runs: dict, name: str) -> None:
-    first, second = _result(runs, 2, name, 0), _result(runs, 2, name, 1)
-    assert first["norms"] == second["norms"]
-    for a, b in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(a, b)
+    _same_run(_result(runs, 2, name, 0), _result(runs, 2, name, 1))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -171,10 +179,7 @@ def test_save_state_mid_window_resumes_bitwise(runs: dict, world: int) -> None:
     assert cases.CHECKPOINT_AFTER % cases.GA != 0  # mid-window
     for rank in range(world):
         resumed = _result(runs, world, f"gafused-checkpoint-clip/{cases.MAIN}", rank)
-        straight = _result(runs, world, f"gafused-clip/{cases.MAIN}", rank)
-        assert resumed["norms"] == straight["norms"]
-        for a, b in zip(resumed["params"], straight["params"], strict=True):
-            assert torch.equal(a, b)
+        _same_run(resumed, _result(runs, world, f"gafused-clip/{cases.MAIN}", rank))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -185,10 +190,7 @@ def test_trigger_sync_in_backward_leaves_the_sync_to_gafused(runs: dict, world: 
     Accelerate's result with the trigger, and the run equals the one without it, bitwise."""
     for rank in range(world):
         triggered = _result(runs, world, f"gafused-trigger-clip/{cases.MAIN}", rank)
-        straight = _result(runs, world, f"gafused-clip/{cases.MAIN}", rank)
-        assert triggered["norms"] == straight["norms"]
-        for a, b in zip(triggered["params"], straight["params"], strict=True):
-            assert torch.equal(a, b)
+        _same_run(triggered, _result(runs, world, f"gafused-clip/{cases.MAIN}", rank))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -203,8 +205,7 @@ def test_a_loop_without_accumulate_is_refused_on_every_process(runs: dict, world
         assert "no accelerator.accumulate(model) block was entered" in result["refusal"]
         assert f"gradient_accumulation_steps is {cases.GA}" in result["refusal"]
         assert result["after"] == {"micro_step": 0, "grads": [False, False]}
-        for a, b in zip(result["then"], result["fresh"], strict=True):
-            assert torch.equal(a, b)
+        _same_tensors(result["then"], result["fresh"])
 
 
 def test_trigger_called_on_the_class_is_refused_under_ddp(runs: dict) -> None:
@@ -593,9 +594,7 @@ def test_a_loop_without_accumulate_that_is_accepted_steps_as_plain_accelerate(
                 optimizer.zero_grad()
         return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
 
-    plain, with_gafused = train(False), train(True)
-    for a, b in zip(plain, with_gafused, strict=True):
-        assert torch.equal(a, b)
+    _same_tensors(train(False), train(True))
 
 
 @pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])

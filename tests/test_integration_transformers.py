@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -240,6 +241,33 @@ class _Masked(torch.utils.data.Dataset):
         return self.items[index]
 
 
+def _sgd_trainer(
+    cls: type,
+    module: torch.nn.Module,
+    folder: Path,
+    data: torch.utils.data.Dataset,
+    compiled: bool,
+    compute_loss_func: Any = None,
+    **arguments: Any,
+) -> transformers.Trainer:
+    """A Trainer (or GafusedTrainer) over ``data``, with SGD at lr 1, no clipping, a constant rate: its one step is
+    the negative finished gradient; ``arguments`` override the TrainingArguments."""
+    return cls(
+        model=torch.compile(module, backend="eager") if compiled else module,
+        args=cases._arguments(
+            str(folder),
+            learning_rate=1.0,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+            remove_unused_columns=not compiled,  # Trainer reads the columns off the wrapper's forward
+            **arguments,
+        ),
+        train_dataset=data,
+        data_collator=lambda items: {key: torch.stack([item[key] for item in items]) for key in items[0]},
+        compute_loss_func=compute_loss_func,
+    )
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path, compiled: bool) -> None:
     """BertForMaskedLM's forward takes **kwargs, and its loss_type ("ForMaskedLM") names a loss that takes
@@ -275,18 +303,7 @@ def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path
                 grads[name] += p.grad * count / sum(tokens)
 
     def build(cls: type) -> transformers.Trainer:
-        return cls(
-            model=torch.compile(model, backend="eager") if compiled else model,
-            args=cases._arguments(
-                str(tmp_path),
-                learning_rate=1.0,
-                max_grad_norm=0.0,
-                lr_scheduler_type="constant",
-                remove_unused_columns=not compiled,  # Trainer reads the columns off the wrapper's forward
-            ),
-            train_dataset=data,
-            data_collator=lambda items: {key: torch.stack([item[key] for item in items]) for key in items[0]},
-        )
+        return _sgd_trainer(cls, model, tmp_path, data, compiled)
 
     assert build(transformers.Trainer).model_accepts_loss_kwargs is True  # Trainer's rule: the forward's **kwargs
     trainer = build(GafusedTrainer)
@@ -447,20 +464,15 @@ def test_a_loss_trainer_computes_is_counted_like_trainer_counts_it(
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
 
     def build(cls: type, module: torch.nn.Module) -> transformers.Trainer:
-        return cls(
-            model=torch.compile(module, backend="eager") if compiled else module,
-            args=cases._arguments(
-                str(tmp_path),
-                learning_rate=1.0,
-                max_grad_norm=0.0,
-                lr_scheduler_type="constant",
-                gradient_accumulation_steps=2,
-                label_smoothing_factor=epsilon,
-                remove_unused_columns=not compiled,  # Trainer reads the columns off the wrapper's forward
-            ),
-            train_dataset=data,
-            data_collator=lambda batch: {key: torch.stack([item[key] for item in batch]) for key in batch[0]},
+        return _sgd_trainer(
+            cls,
+            module,
+            tmp_path,
+            data,
+            compiled,
             compute_loss_func=_causal_loss_func if how == "compute_loss_func" else None,
+            gradient_accumulation_steps=2,
+            label_smoothing_factor=epsilon,
         )
 
     if not compiled:  # plain Trainer is exact here too (compiled, it counts after the shift the smoother skips)
