@@ -1,0 +1,70 @@
+"""The ``torch.ops.gafused`` custom ops as torch.compile sees them, checked by ``torch.library.opcheck``.
+
+A custom op whose schema says less than it does (a tensor it writes but does not list in ``mutates_args``, an
+output that aliases an input) or whose fake implementation disagrees with the real one (shape, dtype, device)
+is silently miscompiled: functionalization reorders or drops the write. ``opcheck`` runs each op for real and
+under fake tensors and AOT dispatch, and compares schema, mutations and outputs. Every backend that runs on
+CPU is checked (triton through its interpreter), with gradients of every dtype the ops take, a missing gradient,
+an fp64 buffer, and ``out=`` for ``scale_``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gafused import ops
+
+OFFSETS = [0, 16, 32, 48]
+NUMELS = [12, 8, 5, 16]
+
+
+def _grads(dtype: torch.dtype) -> list[torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), None, (5,), (4, 4)]
+    return [None if shape is None else torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+
+
+def _cases(backend: str, accum_dtype: torch.dtype, grad_dtype: torch.dtype):
+    acc = torch.randn(64, generator=torch.Generator().manual_seed(1), dtype=accum_dtype)
+    weight = torch.tensor(0.75, dtype=accum_dtype)
+    scale = torch.tensor(1 / 3, dtype=accum_dtype)
+    grads = _grads(grad_dtype)
+    out = torch.zeros(64, dtype=torch.bfloat16)
+    return {
+        "fold_ first": (ops._fold_op, (acc.clone(), grads, OFFSETS, NUMELS, weight, True, backend)),
+        "fold_ middle": (ops._fold_op, (acc.clone(), grads, OFFSETS, NUMELS, weight, False, backend)),
+        "fold_finish_": (ops._fold_finish_op, (acc.clone(), grads, OFFSETS, NUMELS, weight, scale, False, backend)),
+        "sum_of_squares": (ops._sum_of_squares_op, (acc.clone(), OFFSETS, NUMELS, False, backend)),
+        "sum_of_squares per segment": (ops._sum_of_squares_op, (acc.clone(), OFFSETS, NUMELS, True, backend)),
+        "scale_": (ops._scale_op, (acc.clone(), OFFSETS, NUMELS, scale, None, backend)),
+        "scale_ out": (ops._scale_op, (acc.clone(), OFFSETS, NUMELS, scale, out, backend)),
+    }
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("grad_dtype", sorted(ops.GRAD_DTYPES, key=str), ids=str)
+def test_every_op_passes_opcheck(backend, accum_dtype, grad_dtype):
+    failures = {}
+    for name, (op, args) in _cases(backend, accum_dtype, grad_dtype).items():
+        results = torch.library.opcheck(op, args, raise_exception=False)
+        bad = {check: result for check, result in results.items() if result != "SUCCESS"}
+        if bad:
+            failures[name] = bad
+    assert not failures, failures
+
+
+def test_opcheck_catches_an_undeclared_mutation():
+    """The check above can fail: an op that writes a tensor its schema does not list is reported."""
+
+    @torch.library.custom_op("gafused_test::undeclared_scale_", mutates_args=())
+    def undeclared(acc: torch.Tensor, coef: float) -> torch.Tensor:
+        acc.mul_(coef)
+        return acc.sum()
+
+    @undeclared.register_fake
+    def _(acc, coef):
+        return acc.new_empty(())
+
+    results = torch.library.opcheck(undeclared, (torch.randn(8), 0.5), raise_exception=False)
+    assert results["test_schema"] != "SUCCESS"
