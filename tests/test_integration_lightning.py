@@ -176,7 +176,41 @@ def test_the_trainer_holds_the_accumulator() -> None:
     accumulator = callback.accumulator
     assert isinstance(accumulator, gafused.GradAccumulator) and trainer.optimizers == [accumulator]
     assert accumulator.accumulation_steps is None and accumulator.micro_step == 0  # the partial window was finished
-    assert "backward" not in module.__dict__  # the module's own backward is back after fit
+    assert "backward" not in trainer.precision_plugin.__dict__  # the plugin's own backward is back after fit
+
+
+def test_the_module_can_be_copied_during_fit() -> None:
+    """An EMA or SWA copy, or torch.save of the module, taken mid-window: the module carries nothing of the fit
+    (the callback routes the precision plugin's backward, not the module's), and the fit goes on exactly."""
+    import copy
+    import io
+
+    _, TinyLM, _ = cases._lightning_classes()
+    copies = []
+
+    class Copying(TinyLM):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == cases.CHECKPOINT_AFTER:
+                copies.append(copy.deepcopy(self))
+                torch.save(self.model, io.BytesIO())  # the module's __dict__ pickles too
+
+    module = Copying(0)
+    _quiet_trainer(callbacks=[GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM)]).fit(module)
+    truth_params, initial, _ = cases.truth(1)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+    (copied,) = copies
+    assert "backward" not in copied.__dict__ and "backward" not in module.__dict__
+
+
+def test_a_precision_plugin_that_overrides_backward_is_refused() -> None:
+    from lightning.pytorch.plugins.precision import Precision
+
+    class OwnBackward(Precision):
+        def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:  # noqa: ANN001
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    _, TinyLM, _ = cases._lightning_classes()
+    _fit_refused(TinyLM(0), RuntimeError, "OwnBackward overrides Precision.backward", plugins=[OwnBackward()])
 
 
 # --- refused configurations ---------------------------------------------------------------------------------------
@@ -184,9 +218,10 @@ def test_the_trainer_holds_the_accumulator() -> None:
 
 def _fit_refused(module: pl.LightningModule, error: type[Exception], match: str, **trainer: Any) -> None:
     callback = GradAccumulation(weight=cases.tokens)
+    fit = _quiet_trainer(callbacks=[callback], limit_train_batches=2, **trainer)
     with pytest.raises(error, match=match):
-        _quiet_trainer(callbacks=[callback], limit_train_batches=2, **trainer).fit(module)
-    assert "backward" not in module.__dict__
+        fit.fit(module)
+    assert "backward" not in fit.precision_plugin.__dict__
 
 
 def test_gradient_clip_val_is_refused() -> None:

@@ -18,8 +18,10 @@ How Lightning 2.x drives automatic optimization (``lightning/pytorch/loops/optim
   built on the user's optimizer keep working: the accumulator's ``param_groups`` are that optimizer's.
 - Each batch Lightning divides the ``training_step`` loss by ``accumulate_grad_batches``
   (``ClosureResult.from_training_step_output``) and backpropagates it through ``strategy.backward`` ->
-  ``precision.backward`` -> ``LightningModule.backward``. The callback takes over that last hook (on the module
-  instance, for the fit only) and calls ``GradAccumulator.backward(loss * N, weight=w, end_window=sync)``:
+  ``precision.backward`` -> ``LightningModule.backward``. The callback takes over the precision plugin's
+  ``backward`` (on the plugin instance, for the fit only; Lightning's ``on_before_backward`` and
+  ``on_after_backward`` hooks run around it as before; the LightningModule itself is left untouched, so it can be
+  copied or saved during fit) and calls ``GradAccumulator.backward(loss * N, weight=w, end_window=sync)``:
   gradients are folded during backward; multiplying by the same N undoes Lightning's division exactly (the
   gradient seed is N / N = 1), since gafused weighs micro-batches itself. ``w`` is ``weight(batch)``, computed in
   ``on_train_batch_start``. ``sync`` is Lightning's own decision, ``fit_loop._should_accumulate()`` (the N-th batch
@@ -53,7 +55,7 @@ import torch
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as error:  # pragma: no cover - exercised only without lightning
     raise ImportError(
@@ -145,7 +147,8 @@ class GradAccumulation(Callback):
     ``model=`` is the strategy's DDP module), precisions other than ``"16-mixed"``. Refused with an error: manual
     optimization (use GradAccumulator directly there), ``gradient_clip_val`` (use ``max_grad_norm``), fp16 loss
     scaling, strategies that accumulate themselves or shard (DeepSpeed, FSDP), a LightningModule that overrides
-    ``backward`` or ``configure_gradient_clipping``, and a ``configure_optimizers`` that returns a GradAccumulator.
+    ``backward`` or ``configure_gradient_clipping``, a precision plugin that overrides ``backward``, and a
+    ``configure_optimizers`` that returns a GradAccumulator.
 
     Args:
         weight: a callable taking the batch (as ``training_step`` receives it) and returning its weight: a
@@ -188,6 +191,7 @@ class GradAccumulation(Callback):
         self._reduce_dtype = reduce_dtype
         self._accumulator: _LightningAccumulator | None = None
         self._module: pl.LightningModule | None = None
+        self._plugin: Precision | None = None  # the precision plugin whose backward is routed here during fit
         self._batch_weight: float | torch.Tensor | None = None
         self._loaded_windows: list[dict[str, Any] | None] | None = None
         self._process_group: Any = None  # DDP's, when the strategy is DDP
@@ -233,7 +237,7 @@ class GradAccumulation(Callback):
         trainer.optimizers = [self._accumulator]
         self._process_group = model.process_group if distributed else None
         self._world_size = torch.distributed.get_world_size(self._process_group) if distributed else 1
-        self._attach(pl_module)
+        self._attach(trainer.strategy.precision_plugin, pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After Lightning restored the optimizers: give each rank its own open window from the checkpoint."""
@@ -268,16 +272,20 @@ class GradAccumulation(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._detach()  # Lightning calls no teardown hook when fit raises
 
-    def _attach(self, pl_module: pl.LightningModule) -> None:
-        """Route the module's backward through the accumulator (an instance attribute; removed at teardown)."""
+    def _attach(self, plugin: Precision, pl_module: pl.LightningModule) -> None:
+        """Route the precision plugin's backward through the accumulator (an instance attribute of the plugin,
+        removed at teardown), rather than the LightningModule's: user code may copy or pickle the module during
+        fit (an EMA or SWA copy, ``torch.save``), and a copy must not carry a route into this fit's accumulator."""
         self._detach()
-        pl_module.backward = self._backward
+        plugin.backward = self._backward
+        self._plugin = plugin
         self._module = pl_module
 
     def _detach(self) -> None:
-        if self._module is not None:
-            self._module.__dict__.pop("backward", None)
-            self._module = None
+        if self._plugin is not None:
+            self._plugin.__dict__.pop("backward", None)
+            self._plugin = None
+        self._module = None
 
     # --- every batch ---------------------------------------------------------------------------------------
 
@@ -294,17 +302,22 @@ class GradAccumulation(Callback):
             )
         self._batch_weight = None if self.weight is None else self.weight(batch)
 
-    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """``LightningModule.backward`` during fit: fold this micro-batch into the window."""
+    def _backward(
+        self, loss: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        """The precision plugin's ``backward(tensor, model, optimizer, ...)`` during fit: fold this micro-batch into
+        the window (what ``LightningModule.backward``, which it would call, does not override: that is refused)."""
         accumulator = self._require_accumulator()
-        module = self._module
-        assert module is not None
+        if model is not self._module:
+            raise RuntimeError(
+                f"GradAccumulation: Lightning ran a backward for {type(model).__name__}, not the module being fit"
+            )
         if args:
             raise TypeError(
-                "GradAccumulation: LightningModule.backward got positional arguments beyond the loss; pass "
+                "GradAccumulation: the backward got positional arguments beyond the loss; pass "
                 "retain_graph/create_graph/inputs by keyword"
             )
-        trainer = module.trainer
+        trainer = model.trainer
         sync = not trainer.fit_loop._should_accumulate()
         if accumulator._lightning_in_step and not sync:
             raise RuntimeError(
@@ -418,6 +431,11 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             f"GradAccumulation supports the single-device strategy and DDP; got {type(strategy).__name__}"
         )
     precision = trainer.precision_plugin
+    if type(precision).backward is not Precision.backward:
+        raise RuntimeError(
+            f"GradAccumulation: the precision plugin {type(precision).__name__} overrides Precision.backward; the "
+            "callback runs the backward itself during fit, so that override would not run"
+        )
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise RuntimeError(
             'GradAccumulation does not support precision="16-mixed" (Lightning\'s GradScaler would step and unscale '
