@@ -33,6 +33,7 @@ import itertools
 import math
 import numbers
 import operator
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -683,6 +684,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 "passed by keyword: step(weight=w)"
             )
         _check_bool(end_window, "end_window")
+        if closure is None and self._micro is None and _called_from_dcp("_init_optim_state"):
+            self._init_inner_state_for_dcp()
+            return None
         if closure is None:
             self._check_param_set(identity=self._at_window_edge(end_window))
             self._end_micro_batch(weight, end_window)
@@ -696,6 +700,16 @@ class GradAccumulator(torch.optim.Optimizer):
         self._check_param_set(identity=self._at_window_edge(end_window))
         self._end_micro_batch(weight, end_window)
         return result
+
+    def _init_inner_state_for_dcp(self) -> None:
+        """torch.distributed.checkpoint (``get_state_dict``, ``set_state_dict``, ...) creates an optimizer's state by
+        setting every ``p.grad`` to zeros and every learning rate to 0 and calling ``step()``. That is meant for the
+        inner optimizer: stepping it so leaves the parameters as they are and gives it the state tensors DCP saves
+        or loads into. Folded into the window, the zeros would be a micro-batch of weight 1 (a diluted mean, windows
+        shifted by one), so the window is not touched. With a window open nothing is stepped: the state_dict() or
+        load_state_dict() DCP calls next refuses, since DCP keeps no window."""
+        if self.micro_step == 0:
+            self.optimizer.step()
 
     def _at_window_edge(self, end_window: bool) -> bool:
         """Whether the micro-batch that step() is about to end starts or ends a window."""
@@ -1491,6 +1505,13 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
+        if self.micro_step > 0 and _called_from_dcp("_get_optim_state_dict"):
+            raise RuntimeError(
+                f"state_dict(): torch.distributed.checkpoint keeps only an optimizer state_dict's 'state' and "
+                f"'param_groups', so the open window ({self.micro_step} micro-batches folded) would be lost. Take DCP "
+                "checkpoints between windows (when opt.stepped is True), or save opt.state_dict() of every rank with "
+                "torch.save"
+            )
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         window: dict[str, Any] = {
@@ -1513,7 +1534,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 # Segments in the buffer's memory order (a channels_last parameter's segment is channels_last).
                 entry["segments"] = torch.cat([group.buffer.segment(i) for i in range(len(group.params))])
             window["buffers"].append(entry)
-        state_dict = {"optimizer": self.optimizer.state_dict(), "gafused": window}
+        state_dict = {**self.optimizer.state_dict(), "gafused": window}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -1537,8 +1558,9 @@ class GradAccumulator(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        window = self._validated_window(state_dict)
-        self.optimizer.load_state_dict(state_dict["optimizer"])  # validates its own groups before changing
+        inner, window = self._split_checkpoint(state_dict)
+        window = self._validated_window(window)
+        self.optimizer.load_state_dict(inner)  # validates its own groups before changing
 
         def restore(value: torch.Tensor | None) -> torch.Tensor | None:
             return None if value is None else value.to(self._home)
@@ -1574,11 +1596,41 @@ class GradAccumulator(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _validated_window(self, state_dict: Any) -> dict[str, Any]:
-        """The 'gafused' part of a checkpoint, checked field by field against this accumulator."""
-        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("optimizer"), dict):
-            raise ValueError("state_dict must come from GradAccumulator.state_dict() (keys 'optimizer', 'gafused')")
-        window = state_dict.get("gafused")
+    def _split_checkpoint(self, state_dict: Any) -> tuple[dict[str, Any], Any]:
+        """(the inner optimizer's state_dict, the window) of a checkpoint: ``state_dict()``'s own layout, the
+        earlier ``{"optimizer": ..., "gafused": ...}`` layout, or a plain optimizer's state_dict (from a run
+        without gafused, or from torch.distributed.checkpoint), which holds no window: it loads between windows."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
+        if "param_groups" not in state_dict and "optimizer" in state_dict:  # the earlier layout
+            inner = state_dict["optimizer"]
+            if not isinstance(inner, dict):
+                raise ValueError(f"state_dict['optimizer'] must be a dict, got {type(inner).__name__}")
+            return inner, state_dict.get("gafused")
+        if "param_groups" not in state_dict:
+            raise ValueError(
+                "state_dict must come from GradAccumulator.state_dict() or an optimizer's state_dict(); it has no "
+                f"'param_groups' (keys: {sorted(map(str, state_dict))})"
+            )
+        inner = {key: value for key, value in state_dict.items() if key != "gafused"}
+        if "gafused" in state_dict:
+            return inner, state_dict["gafused"]
+        if self.micro_step > 0:
+            raise RuntimeError(
+                "load_state_dict(): the checkpoint is a plain optimizer state (no 'gafused' entry: saved without "
+                "gafused, or through torch.distributed.checkpoint), which holds no window, but this accumulator has "
+                f"an open window ({self.micro_step} micro-batches). Load it between windows"
+            )
+        buffers = [{"numels": list(g.buffer.numels), "had_grad": [False] * len(g.params)} for g in self._groups]
+        return inner, {
+            "version": _STATE_VERSION,
+            "micro_step": 0,
+            "skipped_steps": self.skipped_steps,
+            "buffers": buffers,
+        }
+
+    def _validated_window(self, window: Any) -> dict[str, Any]:
+        """The window part of a checkpoint, checked field by field against this accumulator."""
         if not isinstance(window, dict):
             raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
         version = window.get("version")
@@ -1664,6 +1716,22 @@ class GradAccumulator(torch.optim.Optimizer):
                         f"data, not on the meta device (the window is open at micro_step {micro_step})"
                     )
         return window
+
+
+def _called_from_dcp(function: str) -> bool:
+    """Whether torch.distributed.checkpoint's ``function`` (in ``torch.distributed.checkpoint.state_dict``) is
+    among the few callers above the accumulator method asking."""
+    frame = sys._getframe(2)
+    for _ in range(4):  # the method, torch's step wrappers, then the caller
+        if frame is None:
+            return False
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == _DCP_MODULE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
 @dataclass

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -143,6 +146,28 @@ def _wrap(kind: str, rank: int, bucket_view: bool = False) -> torch.nn.Module:
     return fully_shard(model)
 
 
+def _resumed_through_dcp(model: torch.nn.Module, opt: Any, build: Callable[[], tuple]) -> tuple:
+    """Save model and accumulator with torch.distributed.checkpoint, as FSDP2 users do, and load them into a new
+    ``build()`` (DCP fills a template state dict of the new objects in place)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = [tempfile.mkdtemp(prefix="gafused-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path[0])
+    model, opt = build()
+    model_state, optim_state = get_state_dict(model, opt)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=path[0])
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
+    return model, opt
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
 
@@ -161,14 +186,17 @@ def run_case(
     normalization: str = "mean",
     sync_off_once: bool = False,
     built_in_no_sync: bool = False,
+    through_dcp: bool = False,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
     ``checkpoint_at=(window, micro)``: after that micro-batch's step(), every rank saves model, optimizer and
-    accumulator state, builds everything anew from it and goes on. ``driven``: ``accumulation_steps=None``, every
-    window (the partial one too) ended by ``end_window=True`` given to the last micro-batch's ``"backward"`` or
-    ``"step"``. ``normalization="sum"``: each loss is divided by the window's tokens over every rank and given
-    no weight, as transformers' ``num_items_in_batch`` does. ``sync_off_once``: FSDP2's
+    accumulator state, builds everything anew from it and goes on (``through_dcp``: with
+    torch.distributed.checkpoint's ``get_state_dict``, ``save``, ``load`` and ``set_state_dict``, at a window's
+    end, after its step). ``driven``: ``accumulation_steps=None``, every window (the partial one too) ended by
+    ``end_window=True`` given to the last micro-batch's ``"backward"`` or ``"step"``. ``normalization="sum"``: each
+    loss is divided by the window's tokens over every rank and given no weight, as transformers'
+    ``num_items_in_batch`` does. ``sync_off_once``: FSDP2's
     ``set_requires_gradient_sync(False)`` once, after building; ``opt.backward()`` turns it on for each window's
     last micro-batch only (``reduce_grads`` in the result: FSDP's flags after each window). ``built_in_no_sync``:
     the accumulator is built inside DDP's ``no_sync()``, whose exit turns DDP's own all-reduce back on.
@@ -229,7 +257,7 @@ def run_case(
                 else:
                     opt.step(weight=weight, **end)
                 opt.zero_grad()
-                if checkpoint_at == (window, micro):
+                if checkpoint_at == (window, micro) and not through_dcp:
                     state = {"model": model.state_dict(), "opt": opt.state_dict()}
                     model, opt = build(state)
             if count < N and not driven:
@@ -241,6 +269,8 @@ def run_case(
         wire_per_window.append((wire.calls, wire.bytes))
         if kind == "fsdp":
             reduce_grads.append(_fsdp_reduce_flags(model))
+        if through_dcp and checkpoint_at == (window, count - 1):
+            model, opt = _resumed_through_dcp(model, opt, build)
     return {
         "params": [_full(p) for p in model.parameters()],
         "norms": norms,
@@ -295,6 +325,10 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp-backward": {"kind": "fsdp", "loop": "backward"},
     "fsdp-backward-no_sync": {"kind": "fsdp", "loop": "backward", "no_sync": True},
     "fsdp-step-unweighted": {"kind": "fsdp", "loop": "step", "weighted": False},
+    # Saved and loaded through torch.distributed.checkpoint at the first window's end (the inner SGD is stateless:
+    # DCP steps it with zero gradients there, which must not open a window).
+    "fsdp-backward-dcp": {"kind": "fsdp", "loop": "backward", "checkpoint_at": (0, N - 1), "through_dcp": True},
+    "ddp-step-dcp": {"kind": "ddp", "loop": "step", "checkpoint_at": (0, N - 1), "through_dcp": True},
     "fsdp-step-unweighted-no_sync": {"kind": "fsdp", "loop": "step", "weighted": False, "no_sync": True},
     # Driven windows: ended by end_window=True, declared before the last backward or only at its step().
     "ddp-backward-driven": {"kind": "ddp", "loop": "backward", "driven": "backward"},

@@ -202,6 +202,24 @@ def test_the_module_can_be_copied_during_fit() -> None:
     assert "backward" not in copied.__dict__ and "backward" not in module.__dict__
 
 
+@pytest.mark.parametrize("saved_with", ["gafused", "plain"])
+def test_checkpoints_cross_between_gafused_and_plain_lightning(tmp_path: Any, saved_with: str) -> None:
+    """A checkpoint saved with the callback resumes without it (the optimizer state is the inner optimizer's plus a
+    "gafused" entry), and one saved without it resumes with it (loaded with an empty window)."""
+    _, TinyLM, _ = cases._lightning_classes()
+    path = str(tmp_path / "saved.ckpt")
+    with_callback = [GradAccumulation(weight=cases.tokens)]
+    first = _quiet_trainer(callbacks=with_callback if saved_with == "gafused" else [], limit_train_batches=cases.N)
+    first.fit(TinyLM(0))
+    first.save_checkpoint(path)
+    callbacks = [] if saved_with == "gafused" else [GradAccumulation(weight=cases.tokens)]
+    module = TinyLM(0)
+    resumed = _quiet_trainer(callbacks=callbacks, limit_train_batches=cases.N, max_epochs=2)
+    resumed.fit(module, ckpt_path=path)
+    assert resumed.global_step == 2  # one window restored, one trained here
+    assert module.lrs == [cases.LR * cases.lr_factor(1)]  # the schedule went on from the checkpoint
+
+
 def test_a_precision_plugin_that_overrides_backward_is_refused() -> None:
     from lightning.pytorch.plugins.precision import Precision
 

@@ -608,6 +608,17 @@ def test_a_plain_trainer_checkpoint_resumes_in_gafused_trainer(tmp_path: Path) -
     assert steps == {3} and trainer.state.global_step == 3  # 2 steps restored from the checkpoint, 1 more here
 
 
+def test_a_gafused_trainer_checkpoint_resumes_in_plain_trainer(tmp_path: Path) -> None:
+    """GafusedTrainer's optimizer.pt is the inner optimizer's state_dict plus a "gafused" entry: plain Trainer loads
+    it as its own."""
+    trainer = _trainer(tmp_path, optim="adamw_torch", max_steps=2, save_steps=2, save_strategy="steps")
+    trainer.train()
+    plain = _trainer(tmp_path, transformers.Trainer, model=cases.make_model(), optim="adamw_torch", max_steps=3)
+    plain.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    steps = {int(state["step"]) for state in plain.optimizer.state.values()}
+    assert steps == {3} and plain.state.global_step == 3
+
+
 def test_loss_items_need_labels(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="override GafusedTrainer.loss_items"):
         _trainer(tmp_path).loss_items({"input_ids": torch.ones(1, 3, dtype=torch.long)})

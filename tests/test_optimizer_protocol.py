@@ -276,7 +276,7 @@ def test_state_dict_hooks_run_around_the_whole_dict():
     )
     opt.register_load_state_dict_post_hook(lambda optimizer: seen.append("load-post"))
     state = opt.state_dict()
-    assert state["extra"] == 1 and set(state) == {"optimizer", "gafused", "extra"}
+    assert state["extra"] == 1 and set(state) == {"state", "param_groups", "gafused", "extra"}
     opt.load_state_dict(state)
     assert opt.skipped_steps == 1  # what the pre-hook made of the dict was loaded
     assert state["gafused"]["skipped_steps"] == 0  # the caller's dict is not changed

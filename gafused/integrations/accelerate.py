@@ -223,21 +223,14 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         Accelerate saves no gradients either, so a window it was saved in the middle of resumes without its earlier
         micro-batches in both."""
         window, self._loaded_window = self._loaded_window, None
-        if isinstance(state_dict, dict) and "gafused" not in state_dict and "param_groups" in state_dict:
-            if window is not None:
+        if window is not None and isinstance(state_dict, dict):
+            # Every process is at the same position of a window: a file that disagrees belongs to another checkpoint.
+            saved = state_dict.get("gafused")
+            if saved is None and "param_groups" in state_dict:
                 raise ValueError(
                     f"state_dict: a plain optimizer state beside a gafused window file ({WINDOW_FILE}): they come "
                     "from different checkpoints"
                 )
-            if self.accumulator.micro_step:
-                raise RuntimeError(
-                    f"load_state_dict(): the accumulator has an open window ({self.accumulator.micro_step} "
-                    "micro-batches); load a plain optimizer state before training or after a window's step"
-                )
-            state_dict = {**self.accumulator.state_dict(), "optimizer": state_dict}
-        if window is not None and isinstance(state_dict, dict):
-            # Every process is at the same position of a window: a file that disagrees belongs to another checkpoint.
-            saved = state_dict.get("gafused")
             if isinstance(saved, dict) and saved.get("micro_step") != window.get("micro_step"):
                 raise ValueError(
                     f"state_dict['gafused']['micro_step']: {saved.get('micro_step')!r}, but this process's window "

@@ -252,7 +252,7 @@ class GradAccumulation(Callback):
         window = windows[trainer.global_rank]
         if window is not None:  # rank 0's window came with Lightning's optimizer_states
             accumulator = self._require_accumulator()
-            accumulator.load_state_dict({"optimizer": accumulator.optimizer.state_dict(), "gafused": window})
+            accumulator.load_state_dict({**accumulator.optimizer.state_dict(), "gafused": window})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         accumulator = self._require_accumulator()

@@ -228,12 +228,9 @@ class GafusedTrainer(transformers.Trainer):
             self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, model)
         self._install_accumulator(model)
         if resume_from_checkpoint is not None:
-            accelerated = self.optimizer
-            accelerated.optimizer = _CheckpointLoader(self.accumulator)  # Trainer loads through it
-            try:
-                self._load_optimizer_and_scheduler(resume_from_checkpoint)
-            finally:
-                accelerated.optimizer = self.accumulator
+            # A GafusedTrainer checkpoint holds the window; a plain Trainer one (saved after a window's step only)
+            # is the inner optimizer's state, which the accumulator loads with an empty window.
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
 
@@ -357,23 +354,6 @@ class GafusedTrainer(transformers.Trainer):
         # Known only once optimizer.step() finishes the window: filled in by _AfterOptimizerStep, before Trainer logs.
         self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.args.device)
         return self._norm
-
-
-class _CheckpointLoader:
-    """Loads a checkpoint's optimizer state into the accumulator: a GafusedTrainer one as it is, and a plain Trainer
-    one (the inner optimizer's state alone) with an empty window, which is what Trainer's checkpoints hold: Trainer
-    saves after a window's optimizer step only."""
-
-    def __init__(self, accumulator: GradAccumulator) -> None:
-        self.accumulator = accumulator
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        if isinstance(state_dict, dict) and "gafused" not in state_dict and "param_groups" in state_dict:
-            window = self.accumulator.state_dict()
-            if window["gafused"]["micro_step"]:
-                raise RuntimeError("resume_from_checkpoint: the accumulator has an open window")
-            state_dict = {**window, "optimizer": state_dict}
-        self.accumulator.load_state_dict(state_dict)
 
 
 class _AfterOptimizerStep(transformers.TrainerCallback):

@@ -1,0 +1,190 @@
+"""What ``GradAccumulator.state_dict()`` looks like to code that is not gafused, and what it loads.
+
+``state_dict()`` is the inner optimizer's ``state_dict()`` with one key more, ``"gafused"`` (the window), so code
+that reads an optimizer checkpoint (``"state"``, ``"param_groups"``) reads it, and a plain optimizer loads it. The
+accumulator loads its own checkpoints, those of the earlier ``{"optimizer": ..., "gafused": ...}`` layout, and a
+plain optimizer's (between windows only: it holds no window). torch.distributed.checkpoint (DCP), which keeps only
+``"state"`` and ``"param_groups"``, round-trips between windows and refuses mid-window, changing nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
+
+from gafused import GradAccumulator
+
+from casekit import tanh_mlp
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process
+
+N = 3
+
+
+def _build(inner: str = "adamw") -> tuple[torch.nn.Module, GradAccumulator]:
+    model = tanh_mlp()
+    if inner == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    else:  # stateless: torch.distributed.checkpoint steps it with zero gradients to look for state
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, GradAccumulator(optimizer, N, max_grad_norm=0.5)
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    sizes = [2 + index % 3 for index in range(count)]
+    return [
+        (
+            torch.randn(n, 5, generator=generator, dtype=torch.float64),
+            torch.randn(n, 3, generator=generator, dtype=torch.float64),
+        )
+        for n in sizes
+    ]
+
+
+def _train(model: torch.nn.Module, opt: GradAccumulator, batches: list) -> None:
+    for x, y in batches:
+        opt.backward(torch.nn.functional.mse_loss(model(x), y, reduction="sum"), weight=x.shape[0])
+        opt.step()
+        opt.zero_grad()
+
+
+def _uninterrupted(batches: list, inner: str = "adamw") -> list[torch.Tensor]:
+    model, opt = _build(inner)
+    _train(model, opt, batches)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_same(model: torch.nn.Module, expected: list[torch.Tensor]) -> None:
+    for param, value in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(param.detach(), value)
+
+
+def _window(opt: GradAccumulator) -> tuple:
+    """What a refused call must leave as it was: position, weight sum, the buffers' bytes, p.grad, learning rates."""
+    weight_sum = None if opt._weight_sum is None else opt._weight_sum.clone()
+    return (
+        opt.micro_step,
+        weight_sum,
+        [buffer.data.clone() for buffer in opt.buffers],
+        [p.grad for group in opt.param_groups for p in group["params"]],
+        [group["lr"] for group in opt.param_groups],
+    )
+
+
+def _assert_window(opt: GradAccumulator, before: tuple) -> None:
+    micro_step, weight_sum, data, grads, lrs = _window(opt)
+    assert micro_step == before[0] and torch.equal(weight_sum, before[1])
+    assert all(torch.equal(a, b) for a, b in zip(data, before[2], strict=True))
+    assert grads == before[3] and lrs == before[4]
+
+
+def test_state_dict_is_the_inner_optimizers_plus_the_window() -> None:
+    model, opt = _build()
+    _train(model, opt, _batches(N + 1))  # one window stepped, one micro-batch into the next
+    state = opt.state_dict()
+    inner = opt.optimizer.state_dict()
+    assert set(state) == set(inner) | {"gafused"} and state["gafused"]["micro_step"] == 1
+    assert state["param_groups"] == inner["param_groups"]
+    # A plain optimizer loads it as its own (the window is not its business).
+    plain = torch.optim.AdamW(tanh_mlp().parameters(), lr=0.5)
+    plain.load_state_dict(state)
+    assert plain.param_groups[0]["lr"] == 0.1
+    for index, values in inner["state"].items():
+        loaded = plain.state_dict()["state"][index]
+        assert all(torch.equal(loaded[key], value) for key, value in values.items())
+
+
+def test_a_plain_optimizer_checkpoint_loads_between_windows() -> None:
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches)
+    model, opt = _build()
+    _train(model, opt, batches[:N])
+    plain_state = opt.optimizer.state_dict()  # what a run without gafused saves at a step
+    resumed, resumed_opt = _build()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt.load_state_dict(plain_state)
+    assert resumed_opt.micro_step == 0
+    _train(resumed, resumed_opt, batches[N:])
+    _assert_same(resumed, expected)
+
+
+def test_a_plain_optimizer_checkpoint_is_refused_mid_window_and_changes_nothing() -> None:
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches)
+    model, opt = _build()
+    _train(model, opt, batches[: N + 1])
+    before = _window(opt)
+    with pytest.raises(RuntimeError, match=r"plain optimizer state .* open window \(1 micro-batches\)"):
+        opt.load_state_dict(opt.optimizer.state_dict())
+    _assert_window(opt, before)
+    _train(model, opt, batches[N + 1 :])
+    _assert_same(model, expected)
+
+
+def test_the_earlier_layout_still_loads_mid_window() -> None:
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches)
+    model, opt = _build()
+    _train(model, opt, batches[: N + 2])
+    state = opt.state_dict()
+    earlier = {
+        "optimizer": {key: value for key, value in state.items() if key != "gafused"},
+        "gafused": state["gafused"],
+    }
+    resumed, resumed_opt = _build()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt.load_state_dict(earlier)
+    assert resumed_opt.micro_step == 2
+    _train(resumed, resumed_opt, batches[N + 2 :])
+    _assert_same(resumed, expected)
+
+
+def test_a_state_dict_without_param_groups_is_refused() -> None:
+    _, opt = _build()
+    with pytest.raises(ValueError, match="no 'param_groups'"):
+        opt.load_state_dict({"state": {}})
+
+
+# --- torch.distributed.checkpoint -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_dcp_round_trip_between_windows_is_bitwise(tmp_path, inner: str) -> None:
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches, inner)
+    model, opt = _build(inner)
+    _train(model, opt, batches[:N])
+    model_state, optim_state = get_state_dict(model, opt)
+    assert opt.micro_step == 0  # DCP's zero-gradient step (stateless SGD) did not open a window
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
+
+    resumed, resumed_opt = _build(inner)
+    model_state, optim_state = get_state_dict(resumed, resumed_opt)  # the template DCP loads into
+    assert resumed_opt.micro_step == 0
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert resumed_opt.micro_step == 0
+    _train(resumed, resumed_opt, batches[N:])
+    _assert_same(resumed, expected)
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_dcp_mid_window_is_refused_and_changes_nothing(inner: str) -> None:
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches, inner)
+    model, opt = _build(inner)
+    _train(model, opt, batches[: N + 1])
+    before = _window(opt)
+    with pytest.raises(RuntimeError, match=r"torch.distributed.checkpoint keeps only .* \(1 micro-batches folded\)"):
+        get_optimizer_state_dict(model, opt)
+    _assert_window(opt, before)
+    plain_state = {key: value for key, value in opt.state_dict().items() if key != "gafused"}
+    with pytest.raises(RuntimeError, match="open window"):
+        set_state_dict(model, opt, model_state_dict={}, optim_state_dict=plain_state)
+    _assert_window(opt, before)
+    _train(model, opt, batches[N + 1 :])
+    _assert_same(model, expected)
