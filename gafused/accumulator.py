@@ -1298,9 +1298,10 @@ class GradAccumulator(torch.optim.Optimizer):
         values = checks.tolist()
         nonfinite, bad, disagree, may_overflow = (bool(value) for value in values[:4])
         if disagree:
+            micro_step = self.micro_step  # before the discard resets it
             self._discard_window()
             raise RuntimeError(
-                f"step(): the ranks ended a window at different micro-steps (this rank: {self.micro_step}); "
+                f"step(): the ranks ended a window at different micro-steps (this rank: {micro_step}); "
                 "every rank must run the same number of micro-batches per window; the window was discarded"
             )
         if rank_flags is not None:

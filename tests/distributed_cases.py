@@ -553,6 +553,18 @@ def _misuse(rank: int) -> dict[str, str]:
     del accumulator
     gc.collect()
     said["ddp sync after the accumulator is dropped"] = str(ddp.require_backward_grad_sync)
+    # Ranks that end a window at different micro-steps (rank 0 after one, rank 1 after two): every rank raises,
+    # naming its own count, and discards its window.
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), None, model=ddp)
+    try:
+        for micro in range(rank + 1):
+            opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0], end_window=micro == rank)
+            opt.step()
+        said["window ends apart"] = "no error"
+    except RuntimeError as error:
+        said["window ends apart"] = str(error)
+    said["window ends apart micro_step"] = str(opt.micro_step)
+    opt.zero_grad()
     # A mid-window checkpoint holds this rank's part: loading another rank's is refused.
     opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
     opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])

@@ -220,6 +220,24 @@ def test_checkpoints_cross_between_gafused_and_plain_lightning(tmp_path: Any, sa
     assert module.lrs == [cases.LR * cases.lr_factor(1)]  # the schedule went on from the checkpoint
 
 
+def test_an_open_window_of_a_run_on_other_ranks_is_refused_on_every_rank() -> None:
+    """Lightning hands rank 0's optimizer state to every rank. When its open window comes from a run on another
+    number of ranks, every rank refuses it as rank 0 does (naming world_size): one that swapped it for an empty
+    window would wait for rank 0 in Lightning's next barrier. On one process, a window saved as rank 1 of 2 stands
+    for what a rank other than the saving one receives."""
+    from gafused.integrations.lightning import _LightningAccumulator
+
+    model = torch.nn.Linear(3, 2)
+    accumulator = _LightningAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    model(torch.randn(4, 3)).square().mean().backward()
+    gafused.GradAccumulator.step(accumulator)  # one micro-batch into a driven window
+    state = accumulator.state_dict()
+    state["gafused"].update(world_size=2, rank=1)  # rank 1's part of a window of 2 ranks, on this 1-rank run
+    with pytest.raises(ValueError, match=r"\['world_size'\]"):
+        accumulator.load_state_dict(state)
+    assert accumulator.micro_step == 1
+
+
 def test_a_precision_plugin_that_overrides_backward_is_refused() -> None:
     from lightning.pytorch.plugins.precision import Precision
 

@@ -124,7 +124,14 @@ class _LightningAccumulator(GradAccumulator):
         """Lightning restores rank 0's optimizer state on every rank; another rank's open window is not loaded here
         (GradAccumulation.on_train_start loads each rank's own window from the callback's state)."""
         window = state_dict.get("gafused") if isinstance(state_dict, dict) else None
-        if isinstance(window, dict) and window.get("rank", self._sync.rank) != self._sync.rank:
+        # Another rank's window of a run on as many ranks: this rank's own comes from the callback's state. One of a
+        # run on another number of ranks is loaded as it is, so that every rank refuses it alike (rank 0 alone
+        # refusing would leave the others waiting for it in Lightning's next barrier).
+        if (
+            isinstance(window, dict)
+            and window.get("rank", self._sync.rank) != self._sync.rank
+            and window.get("world_size", 1) == self._sync.world_size
+        ):
             closed = {**window, "micro_step": 0, "rank": self._sync.rank, "weight_sum": None, "bad_weight": None}
             closed["buffers"] = [
                 {key: value for key, value in entry.items() if key != "segments"} if isinstance(entry, dict) else entry
