@@ -274,6 +274,8 @@ class GradAccumulator(torch.optim.Optimizer):
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
         )
+        # Each parameter's (dtype, grad_dtype) as the buffers were laid out for: checked at every window's edges.
+        self._dtypes = list(map(_DTYPES_OF, self._managed))
 
         self.micro_step: int = 0
         self.stepped: bool = False
@@ -367,6 +369,13 @@ class GradAccumulator(torch.optim.Optimizer):
                     raise ValueError(f"{name}: parameters must be real floating point, got {param.dtype}")
                 if param.layout != torch.strided:
                     raise ValueError(f"{name}: parameters must be dense (strided), got layout {param.layout}")
+                grad_dtype = getattr(param, "grad_dtype", None)
+                if grad_dtype is not None and grad_dtype != param.dtype:
+                    raise ValueError(
+                        f"{name}: grad_dtype is {grad_dtype}, not the parameter's dtype {param.dtype}. GradAccumulator "
+                        "accumulates in its own buffer (accum_dtype) and gives the inner optimizer gradients in the "
+                        "parameter's dtype: leave grad_dtype at its default"
+                    )
                 params, names = by_key.setdefault((param.device, param.dtype), ([], []))
                 params.append(param)
                 names.append(name)
@@ -521,8 +530,8 @@ class GradAccumulator(torch.optim.Optimizer):
         earlier ``backward`` calls of the micro-batch folded, is as it was.
 
         Args:
-            loss: the micro-batch's loss (mean-reduced as usual; never divided by N). With ``grad_scaler``
-                set, the accumulator scales it.
+            loss: the micro-batch's loss (mean-reduced as usual; never divided by N): a one-element tensor that
+                requires grad. With ``grad_scaler`` set, the accumulator scales it.
             weight: this micro-batch's weight (a sample or token count), as for ``step(weight=...)``; default 1.
                 Give it to the first ``backward`` of a micro-batch; later ones may repeat it or pass None.
             end_window: this micro-batch is the window's last: its ``step()`` finishes the window and steps the
@@ -534,6 +543,7 @@ class GradAccumulator(torch.optim.Optimizer):
             inputs: as in ``torch.autograd.backward``.
         """
         _check_bool(end_window, "end_window")
+        _check_loss(loss)
         self._check_param_set(identity=self._micro is None and self.micro_step == 0)
         micro = self._micro
         if micro is None:
@@ -1106,17 +1116,26 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"the inner optimizer now has {count} parameters, GradAccumulator was built for "
                 f"{len(self._managed)}; build a new GradAccumulator after add_param_group()"
             )
-        current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
-        if not identity or all(map(operator.is_, current, self._managed)):
+        if not identity:
             return
-        built_with = iter(self._managed)
+        current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
+        if all(map(operator.is_, current, self._managed)) and list(map(_DTYPES_OF, self._managed)) == self._dtypes:
+            return
+        built_with = zip(self._managed, self._dtypes, strict=True)
         for g, param_group in enumerate(groups):
             for i, param in enumerate(param_group["params"]):
-                if param is not next(built_with):
+                managed, dtypes = next(built_with)
+                if param is not managed:
                     raise RuntimeError(
                         f"the inner optimizer's param_groups[{g}]['params'][{i}] is not the parameter "
                         "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
                         "optimizer's parameters"
+                    )
+                if _DTYPES_OF(param) != dtypes:
+                    raise RuntimeError(
+                        f"param_groups[{g}]['params'][{i}] changed dtype since GradAccumulator was built: (dtype, "
+                        f"grad_dtype) {_DTYPES_OF(param)}, built for {dtypes}. Build a new GradAccumulator after "
+                        "changing the model's dtype (model.double(), model.to(dtype)) or a parameter's grad_dtype"
                     )
 
     def _weight_tensor(self, weight: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1128,6 +1147,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 raise ValueError(f"weight must be a number or a 0-d tensor, got shape {tuple(weight.shape)}")
             if weight.dtype == torch.bool or weight.is_complex():
                 raise ValueError(f"weight must be a real number, got a tensor of dtype {weight.dtype}")
+            if weight.is_meta:
+                raise ValueError("weight must hold a value, got a tensor on the meta device")
             if weight.requires_grad:
                 weight = weight.detach()
             # Copies (copy=True): a float64 tensor on the home device would otherwise be kept as it is, and the
@@ -1322,14 +1343,14 @@ class GradAccumulator(torch.optim.Optimizer):
         if nonfinite:
             self._skip_window(found_inf)
             return
-        for group in self._groups:
-            self._publish_grads(group, coef)
-        if may_overflow and self._cast_overflowed():  # rare: a second sync, only when the norm allows overflow
-            # The finished gradient is unscaled already: a smaller loss scale would not shrink it, so the loss
-            # scaler is left as it is.
-            self._skip_window(None)
-            return
         try:
+            for group in self._groups:
+                self._publish_grads(group, coef)
+            if may_overflow and self._cast_overflowed():  # rare: a second sync, only when the norm allows overflow
+                # The finished gradient is unscaled already: a smaller loss scale would not shrink it, so the loss
+                # scaler is left as it is.
+                self._skip_window(None)
+                return
             for pre_hook in list(self._optimizer_step_pre_hooks.values()):
                 if pre_hook(self, (), {}) is not None:
                     raise RuntimeError(
@@ -1339,7 +1360,11 @@ class GradAccumulator(torch.optim.Optimizer):
             self.optimizer.step()
         except BaseException as error:
             self._discard_window()
-            _add_note(error, "gafused: the window was discarded; the inner optimizer's step or a step pre-hook raised")
+            _add_note(
+                error,
+                "gafused: the window was discarded; handing the finished gradients to p.grad, a step pre-hook or the "
+                "inner optimizer's step raised",
+            )
             raise  # the loss scaler stays as it was, as GradScaler.update() is not reached when scaler.step() raises
         if self.grad_scaler is not None:
             self._update_grad_scaler(found_inf)
@@ -1546,12 +1571,14 @@ class GradAccumulator(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; a checkpoint taken mid-window resumes that window exactly.
 
-        Everything is checked before anything changes: a refused checkpoint raises ValueError naming the bad
-        field and leaves the accumulator and the inner optimizer as they were. Load-state-dict hooks registered
-        on the accumulator run as ``torch.optim.Optimizer.load_state_dict`` runs them.
+        The window is checked whole before anything changes: a refused checkpoint raises ValueError naming the bad
+        field and leaves the accumulator and the inner optimizer as they were. The inner optimizer's part goes to
+        its own ``load_state_dict``, which checks what torch checks. Load-state-dict hooks registered on the
+        accumulator run as ``torch.optim.Optimizer.load_state_dict`` runs them.
 
         Args:
-            state_dict: a dict from ``state_dict()`` of an accumulator over the same parameters.
+            state_dict: a dict from ``state_dict()`` of an accumulator over the same parameters, or a plain
+                optimizer's ``state_dict()`` over them (between windows only: it holds no window).
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch.optim.Optimizer does: hooks may replace entries
@@ -1671,6 +1698,13 @@ class GradAccumulator(torch.optim.Optimizer):
                     raise field_error(name, f"a 0-d {dtype} tensor (the window is open at micro_step {micro_step})")
             elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype or value.is_meta:
                 raise field_error(name, f"None or a 0-d {dtype} tensor holding data (not on the meta device)")
+        weight_sum = window.get("weight_sum")
+        if open_window and not _possible_weight_sum(weight_sum.item(), self._weight_range[0]):
+            raise field_error(
+                "weight_sum",
+                f"a sum of micro-batch weights: 0, or finite and at least {self._weight_range[0]:.3g} (the smallest "
+                "weight there is)",
+            )
         world = window.get("world_size", 1)
         if open_window and world != self._sync.world_size:
             raise field_error(
@@ -1709,14 +1743,20 @@ class GradAccumulator(torch.optim.Optimizer):
                     not isinstance(segments, torch.Tensor)
                     or segments.dim() != 1
                     or segments.numel() != total
-                    or not segments.is_floating_point()
+                    or segments.dtype not in ACCUM_DTYPES
                     or segments.is_meta
                 ):
                     raise ValueError(
-                        f"{where}['segments']: expected a flat floating-point tensor of {total} elements holding "
+                        f"{where}['segments']: expected a flat float32 or float64 tensor of {total} elements holding "
                         f"data, not on the meta device (the window is open at micro_step {micro_step})"
                     )
         return window
+
+
+# A parameter's dtype and, where torch has it, its grad_dtype (the dtype autograd gives its gradient).
+_DTYPES_OF = (
+    operator.attrgetter("dtype", "grad_dtype") if hasattr(torch.Tensor, "grad_dtype") else operator.attrgetter("dtype")
+)
 
 
 def _called_from_dcp(function: str) -> bool:
@@ -1820,6 +1860,26 @@ def _lr_value(lr: Any) -> Any:
     if isinstance(lr, torch.Tensor):
         return lr.item() if lr.device.type == "cpu" and lr.numel() == 1 else ("tensor", id(lr))
     return lr
+
+
+def _check_loss(loss: Any) -> None:
+    """What ``backward()`` backpropagates: a one-element tensor with a graph (refused before anything changes)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"backward(): loss must be a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"backward(): loss must have one element (reduce it with mean() or sum()), got shape {tuple(loss.shape)}"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "backward(): loss does not require grad: it was computed under torch.no_grad() or inference_mode(), "
+            "or from no parameter that requires grad"
+        )
+
+
+def _possible_weight_sum(value: float, tiny: float) -> bool:
+    """Whether ``value`` can be the weight sum of an open window: every weight is 0 or at least ``tiny``."""
+    return value == 0 or (math.isfinite(value) and value >= tiny)
 
 
 def _by_identity(value: Any) -> bool:

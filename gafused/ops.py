@@ -265,6 +265,8 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
         if value.is_complex() or not (value.is_floating_point() or value.dtype in _INTEGER_DTYPES):
             raise ValueError(f"{name} must be a real number, got dtype {value.dtype}")
+        if value.is_meta:
+            raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
         if value.requires_grad:  # its value only: a weight with a graph must not attach one to the buffer
             value = value.detach()
         return value.to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)

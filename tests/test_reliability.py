@@ -46,6 +46,14 @@ def _truth(model, windows, lr=0.1):
         sgd.step()
 
 
+def _spent(output):
+    """A loss of ``output`` whose graph down to ``output`` was already run (``torch.autograd.grad``, which leaves
+    ``p.grad`` alone): it passes backward()'s own checks, and autograd then refuses it."""
+    loss = output.square().mean()
+    torch.autograd.grad(loss, output)
+    return loss
+
+
 def _explode(grad):
     raise RuntimeError("hook failed")
 
@@ -155,7 +163,7 @@ def test_backward_that_fails_before_any_fold_changes_nothing(backend):
     opt.step()
     before = opt.buffers[0].data.clone()
     with pytest.raises(RuntimeError):
-        opt.backward(torch.ones((), dtype=torch.float64))  # no graph: autograd refuses before any hook runs
+        opt.backward(_spent(model(_batches(1)[0])))  # autograd refuses before any hook runs
     assert opt.micro_step == 1 and torch.equal(opt.buffers[0].data, before)
     opt.backward(_loss(model, _batches(1)[0]), weight=5)  # a new micro-batch with its own weight
     opt.step()
@@ -289,7 +297,7 @@ def test_backward_that_fails_before_any_fold_releases_the_finished_gradients(bac
     assert (cast_copy is None) is (dtype == torch.float64)
     cast_copy = None if cast_copy is None else weakref.ref(cast_copy)
     with pytest.raises(RuntimeError):
-        opt.backward(torch.ones((), dtype=dtype))  # no graph: autograd refuses
+        opt.backward(_spent(model(x4.to(dtype))))  # autograd refuses
     assert all(p.grad is None for p in model.parameters()) and opt.micro_step == 0
     assert cast_copy is None or cast_copy() is None
     if dtype != torch.float64:
@@ -412,7 +420,7 @@ def test_a_backward_releases_another_accumulators_finished_gradients_only_where_
     finished = head_a.grad
     assert finished is not None and shared.grad is not None
     with pytest.raises(RuntimeError):
-        second.backward(x @ shared @ head_b)  # not a scalar: autograd refuses
+        second.backward(_spent(x @ shared @ head_b))  # autograd refuses
     assert head_a.grad is finished and shared.grad is None
 
 
@@ -470,6 +478,102 @@ def test_channels_last_gradient_with_other_strides_is_reordered():
     opt.step()
     assert param.grad.stride() == param.stride()
     torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+
+
+def test_a_parameter_whose_dtype_changed_after_building_is_refused_by_name(backend):
+    """model.double() after the buffers were laid out for float32: the window's edge refuses it, naming the
+    parameter, before anything is folded (the buffer would hold the float64 gradients in float32)."""
+    model = tanh_mlp(dtype=torch.float32)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    model[2].double()
+    x = _batches(1)[0].float()
+    loss = model[2](torch.tanh(model[0](x)).double()).square().mean()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] changed dtype"):
+        opt.backward(loss)
+    assert opt.micro_step == 0 and opt._micro is None
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="this torch has no Tensor.grad_dtype")
+def test_a_grad_dtype_other_than_the_parameters_is_refused(backend):
+    """A bf16 parameter whose grad_dtype asks autograd for float32 gradients: the finished gradient, handed over
+    in the parameter's dtype, could not be assigned to p.grad, so the accumulator refuses it, at construction or
+    (set afterwards) at the window's edge."""
+    model = tanh_mlp(dtype=torch.bfloat16)
+    model[0].weight.grad_dtype = torch.float32
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*grad_dtype is torch.float32"):
+        GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    model[0].weight.grad_dtype = torch.bfloat16
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    model[0].weight.grad_dtype = torch.float32
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] changed dtype"):
+        opt.backward(model(_batches(1)[0].bfloat16()).float().square().mean())
+    assert opt.micro_step == 0
+
+
+def test_a_failure_handing_the_finished_gradients_over_discards_the_window(backend, monkeypatch):
+    """Whatever fails between the window's last fold and the inner step discards the window, as a failing inner
+    step does: the window never stays open at its last position (where no later step() would end it)."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    batches = _batches(6)
+
+    def broken(group, coef):
+        raise RuntimeError("publishing failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(opt, "_publish_grads", broken)
+        with pytest.raises(RuntimeError, match="publishing failed") as raised:
+            for x in batches[:2]:
+                opt.backward(_loss(model, x), weight=x.shape[0])
+                opt.step()
+    assert "window was discarded" in "".join(getattr(raised.value, "__notes__", []))
+    assert opt.micro_step == 0 and not opt.stepped
+    for x in batches[2:]:
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    _truth(reference, [batches[2:4], batches[4:6]])
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize(
+    "make_loss, error, message",
+    [
+        (lambda model, x: 1.0, TypeError, "loss must be a tensor, got float"),
+        (lambda model, x: None, TypeError, "loss must be a tensor, got NoneType"),
+        (
+            lambda model, x: model(x).square().mean(dim=1),
+            ValueError,
+            r"loss must have one element .* got shape \(\d+,\)",
+        ),
+        (lambda model, x: model(x).square().mean().detach(), ValueError, "loss does not require grad"),
+    ],
+    ids=["float", "None", "vector", "detached"],
+)
+def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, message):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    x, y = _batches(2)
+    opt.backward(_loss(model, x))
+    opt.step()
+    before = _everything(opt)
+    with pytest.raises(error, match=message):
+        opt.backward(make_loss(model, y))
+    after = _everything(opt)
+    assert before[:2] == after[:2] and opt._micro is None
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+
+
+def test_a_weight_on_the_meta_device_is_refused_by_name():
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    meta = torch.tensor(2.0, device="meta")
+    with pytest.raises(ValueError, match="weight must hold a value, got a tensor on the meta device"):
+        opt.backward(_loss(model, _batches(1)[0]), weight=meta)
+    _loss(model, _batches(1)[0]).backward()
+    with pytest.raises(ValueError, match="weight must hold a value, got a tensor on the meta device"):
+        opt.step(weight=meta)
+    assert opt.micro_step == 0
 
 
 def test_a_parameter_listed_twice_is_refused():
@@ -562,6 +666,10 @@ def _corrupt(field):
             window["buffers"][0]["had_grad"] = window["buffers"][0]["had_grad"][:-1]
         elif field == "weight_sum missing":
             window["weight_sum"] = None
+        elif field.startswith("weight_sum ="):  # a value no window's weights sum to
+            window["weight_sum"] = torch.tensor(float(field.split("=")[1]), dtype=torch.float64)
+        elif field == "segments bf16":  # rounded: the window's sums would lose their precision silently
+            window["buffers"][0]["segments"] = window["buffers"][0]["segments"].bfloat16()
         elif field == "gafused None":
             state["gafused"] = None
         elif field == "buffers None":
@@ -592,6 +700,11 @@ def _corrupt(field):
         ("micro_step too large", "micro_step"),
         ("had_grad length", "had_grad"),
         ("weight_sum missing", "weight_sum"),
+        ("weight_sum = -1", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
+        ("weight_sum = inf", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
+        ("weight_sum = nan", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
+        ("weight_sum = 1e-310", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
+        ("segments bf16", r"\['segments'\]: expected a flat float32 or float64 tensor"),
         ("gafused None", r"\['gafused'\]"),
         ("buffers None", "buffers"),
         ("version", "version"),
