@@ -9,6 +9,8 @@ plain optimizer's (between windows only: it holds no window). torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -97,18 +99,23 @@ def test_state_dict_is_the_inner_optimizers_plus_the_window() -> None:
         assert all(torch.equal(loaded[key], value) for key, value in values.items())
 
 
-def test_a_plain_optimizer_checkpoint_loads_between_windows() -> None:
+def _resumes_exactly(stop: int, checkpoint: Callable[[GradAccumulator], dict], micro_step: int) -> None:
+    """Train the first ``stop`` micro-batches, load ``checkpoint(opt)`` (and the model) into a new model and
+    accumulator, train the rest there: bitwise the uninterrupted run."""
     batches = _batches(3 * N)
     expected = _uninterrupted(batches)
     model, opt = _build()
-    _train(model, opt, batches[:N])
-    plain_state = opt.optimizer.state_dict()  # what a run without gafused saves at a step
+    _train(model, opt, batches[:stop])
     resumed, resumed_opt = _build()
     resumed.load_state_dict(model.state_dict())
-    resumed_opt.load_state_dict(plain_state)
-    assert resumed_opt.micro_step == 0
-    _train(resumed, resumed_opt, batches[N:])
+    resumed_opt.load_state_dict(checkpoint(opt))
+    assert resumed_opt.micro_step == micro_step
+    _train(resumed, resumed_opt, batches[stop:])
     _assert_same(resumed, expected)
+
+
+def test_a_plain_optimizer_checkpoint_loads_between_windows() -> None:
+    _resumes_exactly(N, lambda opt: opt.optimizer.state_dict(), micro_step=0)  # what a run without gafused saves
 
 
 def test_a_plain_optimizer_checkpoint_is_refused_mid_window_and_changes_nothing() -> None:
@@ -125,21 +132,14 @@ def test_a_plain_optimizer_checkpoint_is_refused_mid_window_and_changes_nothing(
 
 
 def test_the_earlier_layout_still_loads_mid_window() -> None:
-    batches = _batches(3 * N)
-    expected = _uninterrupted(batches)
-    model, opt = _build()
-    _train(model, opt, batches[: N + 2])
-    state = opt.state_dict()
-    earlier = {
-        "optimizer": {key: value for key, value in state.items() if key != "gafused"},
-        "gafused": state["gafused"],
-    }
-    resumed, resumed_opt = _build()
-    resumed.load_state_dict(model.state_dict())
-    resumed_opt.load_state_dict(earlier)
-    assert resumed_opt.micro_step == 2
-    _train(resumed, resumed_opt, batches[N + 2 :])
-    _assert_same(resumed, expected)
+    def earlier(opt: GradAccumulator) -> dict:
+        state = opt.state_dict()
+        return {
+            "optimizer": {key: value for key, value in state.items() if key != "gafused"},
+            "gafused": state["gafused"],
+        }
+
+    _resumes_exactly(N + 2, earlier, micro_step=2)
 
 
 def test_a_state_dict_without_param_groups_is_refused() -> None:
