@@ -1719,8 +1719,14 @@ class GradAccumulator(torch.optim.Optimizer):
                 "checkpoint)",
             )
         lrs = window.get("window_lrs")
-        if lrs is not None and (not isinstance(lrs, list) or len(lrs) != len(self.optimizer.param_groups)):
-            raise field_error("window_lrs", f"None or a list of {len(self.optimizer.param_groups)} learning rates")
+        if lrs is not None and (
+            not isinstance(lrs, list)
+            or len(lrs) != len(self.optimizer.param_groups)
+            or not all(lr is None or _by_identity(lr) or _is_real(lr) for lr in lrs)
+        ):
+            raise field_error(
+                "window_lrs", f"None or a list of {len(self.optimizer.param_groups)} learning rates (numbers or None)"
+            )
         saved = window.get("buffers")
         if not isinstance(saved, list) or len(saved) != len(self._groups):
             raise ValueError(
@@ -1880,6 +1886,10 @@ def _check_loss(loss: Any) -> None:
 def _possible_weight_sum(value: float, tiny: float) -> bool:
     """Whether ``value`` can be the weight sum of an open window: every weight is 0 or at least ``tiny``."""
     return value == 0 or (math.isfinite(value) and value >= tiny)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _by_identity(value: Any) -> bool:

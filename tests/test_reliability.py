@@ -680,6 +680,8 @@ def _corrupt(field):
             window["skipped_steps"] = "many"
         elif field == "window_lrs":
             window["window_lrs"] = [0.1, 0.2]
+        elif field == "window_lrs entry":
+            window["window_lrs"] = ["fast"]
         elif field == "weight_sum on meta":  # a checkpoint loaded onto the meta device
             window["weight_sum"] = window["weight_sum"].to("meta")
         elif field == "segments on meta":
@@ -710,6 +712,7 @@ def _corrupt(field):
         ("version", "version"),
         ("skipped_steps", "skipped_steps"),
         ("window_lrs", "window_lrs"),
+        ("window_lrs entry", r"\['window_lrs'\].*numbers or None"),
         ("weight_sum on meta", r"\['weight_sum'\].*meta device"),
         ("segments on meta", r"\['segments'\].*meta device"),
         ("inv_loss_scale on meta", r"\['inv_loss_scale'\].*meta device"),
