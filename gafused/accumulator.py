@@ -274,8 +274,8 @@ class GradAccumulator(torch.optim.Optimizer):
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
         )
-        # Each parameter's (dtype, grad_dtype) as the buffers were laid out for: checked at every window's edges.
-        self._dtypes = list(map(_DTYPES_OF, self._managed))
+        # Each parameter's (device, dtype, grad_dtype) as the buffers were laid out for: checked at window edges.
+        self._kinds = list(map(_KIND_OF, self._managed))
 
         self.micro_step: int = 0
         self.stepped: bool = False
@@ -369,6 +369,11 @@ class GradAccumulator(torch.optim.Optimizer):
                     raise ValueError(f"{name}: parameters must be real floating point, got {param.dtype}")
                 if param.layout != torch.strided:
                     raise ValueError(f"{name}: parameters must be dense (strided), got layout {param.layout}")
+                if param.is_meta:
+                    raise ValueError(
+                        f"{name}: parameters must hold data, got one on the meta device; build GradAccumulator after "
+                        "the model is materialized (model.to_empty(device=...), then its initialization)"
+                    )
                 grad_dtype = getattr(param, "grad_dtype", None)
                 if grad_dtype is not None and grad_dtype != param.dtype:
                     raise ValueError(
@@ -694,7 +699,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "passed by keyword: step(weight=w)"
             )
         _check_bool(end_window, "end_window")
-        if closure is None and self._micro is None and _called_from_dcp("_init_optim_state"):
+        if closure is None and _called_from_dcp("_init_optim_state"):
             self._init_inner_state_for_dcp()
             return None
         if closure is None:
@@ -716,9 +721,9 @@ class GradAccumulator(torch.optim.Optimizer):
         setting every ``p.grad`` to zeros and every learning rate to 0 and calling ``step()``. That is meant for the
         inner optimizer: stepping it so leaves the parameters as they are and gives it the state tensors DCP saves
         or loads into. Folded into the window, the zeros would be a micro-batch of weight 1 (a diluted mean, windows
-        shifted by one), so the window is not touched. With a window open nothing is stepped: the state_dict() or
-        load_state_dict() DCP calls next refuses, since DCP keeps no window."""
-        if self.micro_step == 0:
+        shifted by one), so the window is not touched. With a window or a micro-batch open nothing is stepped: the
+        state_dict() or load_state_dict() DCP calls next refuses, since DCP keeps no window."""
+        if self.micro_step == 0 and self._micro is None:
             self.optimizer.step()
 
     def _at_window_edge(self, end_window: bool) -> bool:
@@ -1119,23 +1124,23 @@ class GradAccumulator(torch.optim.Optimizer):
         if not identity:
             return
         current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
-        if all(map(operator.is_, current, self._managed)) and list(map(_DTYPES_OF, self._managed)) == self._dtypes:
+        if all(map(operator.is_, current, self._managed)) and list(map(_KIND_OF, self._managed)) == self._kinds:
             return
-        built_with = zip(self._managed, self._dtypes, strict=True)
+        built_with = zip(self._managed, self._kinds, strict=True)
         for g, param_group in enumerate(groups):
             for i, param in enumerate(param_group["params"]):
-                managed, dtypes = next(built_with)
+                managed, kind = next(built_with)
                 if param is not managed:
                     raise RuntimeError(
                         f"the inner optimizer's param_groups[{g}]['params'][{i}] is not the parameter "
                         "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
                         "optimizer's parameters"
                     )
-                if _DTYPES_OF(param) != dtypes:
+                if _KIND_OF(param) != kind:
                     raise RuntimeError(
-                        f"param_groups[{g}]['params'][{i}] changed dtype since GradAccumulator was built: (dtype, "
-                        f"grad_dtype) {_DTYPES_OF(param)}, built for {dtypes}. Build a new GradAccumulator after "
-                        "changing the model's dtype (model.double(), model.to(dtype)) or a parameter's grad_dtype"
+                        f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: (device, dtype, "
+                        f"grad_dtype) {_KIND_OF(param)}, built for {kind}. Build a new GradAccumulator after moving "
+                        "or casting the model (model.to(...), model.double()) or changing a parameter's grad_dtype"
                     )
 
     def _weight_tensor(self, weight: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1698,8 +1703,9 @@ class GradAccumulator(torch.optim.Optimizer):
                     raise field_error(name, f"a 0-d {dtype} tensor (the window is open at micro_step {micro_step})")
             elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype or value.is_meta:
                 raise field_error(name, f"None or a 0-d {dtype} tensor holding data (not on the meta device)")
-        weight_sum = window.get("weight_sum")
-        if open_window and not _possible_weight_sum(weight_sum.item(), self._weight_range[0]):
+        weight_sum, bad_weight = window.get("weight_sum"), window.get("bad_weight")
+        flagged = bad_weight is not None and bool(bad_weight)  # a device weight failed: the window's end refuses it
+        if open_window and not flagged and not _possible_weight_sum(weight_sum.item(), self._weight_range[0]):
             raise field_error(
                 "weight_sum",
                 f"a sum of micro-batch weights: 0, or finite and at least {self._weight_range[0]:.3g} (the smallest "
@@ -1759,17 +1765,15 @@ class GradAccumulator(torch.optim.Optimizer):
         return window
 
 
-# A parameter's dtype and, where torch has it, its grad_dtype (the dtype autograd gives its gradient).
-_DTYPES_OF = (
-    operator.attrgetter("dtype", "grad_dtype") if hasattr(torch.Tensor, "grad_dtype") else operator.attrgetter("dtype")
-)
+# A parameter's device, dtype and, where torch has it, grad_dtype (the dtype autograd gives its gradient).
+_KIND_OF = operator.attrgetter("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "grad_dtype") else ()))
 
 
 def _called_from_dcp(function: str) -> bool:
     """Whether torch.distributed.checkpoint's ``function`` (in ``torch.distributed.checkpoint.state_dict``) is
     among the few callers above the accumulator method asking."""
     frame = sys._getframe(2)
-    for _ in range(4):  # the method, torch's step wrappers, then the caller
+    for _ in range(16):  # wrappers of the method (torch's, an LR scheduler's, a subclass's), then the caller
         if frame is None:
             return False
         if frame.f_code.co_name == function and frame.f_globals.get("__name__") == _DCP_MODULE:

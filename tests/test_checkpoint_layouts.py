@@ -188,3 +188,52 @@ def test_dcp_mid_window_is_refused_and_changes_nothing(inner: str) -> None:
     _assert_window(opt, before)
     _train(model, opt, batches[N + 1 :])
     _assert_same(model, expected)
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_dcp_between_backward_and_step_changes_nothing(inner: str) -> None:
+    """After opt.backward() the gradients are folded (p.grad is None), so DCP steps the optimizer to create its
+    state: that step must not end the user's micro-batch; DCP's state_dict() then refuses the open micro-batch."""
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches, inner)
+    model, opt = _build(inner)
+    x, y = batches[0]
+    opt.backward(torch.nn.functional.mse_loss(model(x), y, reduction="sum"), weight=x.shape[0])
+    with pytest.raises(RuntimeError, match=r"backward\(\) was called without step\(\)"):
+        get_optimizer_state_dict(model, opt)
+    assert opt.micro_step == 0 and opt._micro is not None and not opt.optimizer.state
+    opt.step()
+    opt.zero_grad()
+    _train(model, opt, batches[1:])
+    _assert_same(model, expected)
+
+
+def test_dcp_is_recognized_through_wrappers_of_step(tmp_path) -> None:
+    """A subclass overriding step() and an LR scheduler (which wraps the optimizer's step) stand between DCP and
+    the accumulator's step: DCP's zero-gradient step is still recognized, and the round trip is bitwise."""
+
+    class Logged(GradAccumulator):
+        def step(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            return super().step(*args, **kwargs)
+
+    def build() -> tuple[torch.nn.Module, GradAccumulator, torch.optim.lr_scheduler.LRScheduler]:
+        model = tanh_mlp()
+        opt = Logged(torch.optim.AdamW(model.parameters(), lr=0.1), N)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda window: 1 / (1 + window))
+
+    batches = _batches(3 * N)
+    model, opt, scheduler = build()
+    _train(model, opt, batches)
+    expected = [p.detach().clone() for p in model.parameters()]
+    model, opt, scheduler = build()
+    _train(model, opt, batches[:N])
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
+    resumed, resumed_opt, _ = build()
+    model_state, optim_state = get_state_dict(resumed, resumed_opt)
+    assert resumed_opt.micro_step == 0
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    _train(resumed, resumed_opt, batches[N:])
+    _assert_same(resumed, expected)

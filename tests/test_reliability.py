@@ -488,7 +488,7 @@ def test_a_parameter_whose_dtype_changed_after_building_is_refused_by_name(backe
     model[2].double()
     x = _batches(1)[0].float()
     loss = model[2](torch.tanh(model[0](x)).double()).square().mean()
-    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] changed dtype"):
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] changed since"):
         opt.backward(loss)
     assert opt.micro_step == 0 and opt._micro is None
     assert all(p.grad is None for p in model.parameters())
@@ -506,7 +506,7 @@ def test_a_grad_dtype_other_than_the_parameters_is_refused(backend):
     model[0].weight.grad_dtype = torch.bfloat16
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
     model[0].weight.grad_dtype = torch.float32
-    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] changed dtype"):
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] changed since"):
         opt.backward(model(_batches(1)[0].bfloat16()).float().square().mean())
     assert opt.micro_step == 0
 
@@ -574,6 +574,34 @@ def test_a_weight_on_the_meta_device_is_refused_by_name():
     with pytest.raises(ValueError, match="weight must hold a value, got a tensor on the meta device"):
         opt.step(weight=meta)
     assert opt.micro_step == 0
+
+
+def test_parameters_on_the_meta_device_are_refused_by_name():
+    """Built before model.to_empty(): the buffers would be laid out on the meta device."""
+    with torch.device("meta"):
+        model = tanh_mlp()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*meta device.*to_empty"):
+        GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+
+
+def test_a_checkpoint_whose_device_weight_was_bad_loads_and_its_window_is_refused_at_the_end():
+    """A GPU weight is checked on the device and refused at the window's end; a checkpoint taken before that holds
+    its window with bad_weight set and whatever weight sum the bad weight made (nan here). It loads (as the run it
+    resumes would have gone on), and the window's end refuses it as that run would have."""
+    _, source = _mid_window()
+    state = copy.deepcopy(source.state_dict())
+    state["gafused"]["weight_sum"] = torch.tensor(float("nan"), dtype=torch.float64)
+    state["gafused"]["bad_weight"] = torch.tensor(True)
+    model, target = _mid_window()
+    target.load_state_dict(state)
+    assert target.micro_step == 1
+    x, last = _batches(2, seed=9)
+    _loss(model, x).backward()
+    target.step(weight=x.shape[0])
+    _loss(model, last).backward()
+    with pytest.raises(ValueError, match="weight: a tensor weight given in this window"):
+        target.step(weight=last.shape[0])  # the window's third micro-batch, its end
+    assert target.micro_step == 0 and not target.stepped
 
 
 def test_a_parameter_listed_twice_is_refused():
