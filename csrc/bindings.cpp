@@ -21,6 +21,21 @@ namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
 
+// Numbers go into error messages as strings made by std::to_string, never through an std::ostream. A toolchain
+// that links a static libstdc++ into the extension (a GPU machine's /opt/gcc g++ did) leaves two copies of the
+// library's locale in the process, and a number formatted through the stream that c10::str builds reached the
+// other copy's facet table: SIGSEGV instead of the error. Strings and C strings do not use the locale's facets.
+std::string num(int64_t value) { return std::to_string(value); }
+
+std::string shape(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(sizes[i]);
+  }
+  return text + "]";
+}
+
 std::optional<gafused::DType> dtype_code(at::ScalarType type) {
   switch (type) {
     case at::kFloat:
@@ -49,7 +64,7 @@ gafused::DType check_acc(const char* op, const at::Tensor& acc) {
   TORCH_CHECK(acc.is_cuda(), op, ": acc must be a CUDA tensor, got one on ", acc.device());
   TORCH_CHECK(acc.scalar_type() == at::kFloat || acc.scalar_type() == at::kDouble, op,
               ": acc must be float32 or float64, got ", acc.scalar_type());
-  TORCH_CHECK(acc.dim() == 1, op, ": acc must be flat (1-d), got shape ", acc.sizes());
+  TORCH_CHECK(acc.dim() == 1, op, ": acc must be flat (1-d), got shape ", shape(acc.sizes()));
   TORCH_CHECK(acc.is_contiguous(), op, ": acc must be contiguous");
   return *dtype_code(acc.scalar_type());
 }
@@ -57,14 +72,15 @@ gafused::DType check_acc(const char* op, const at::Tensor& acc) {
 void check_layout(const char* op, const at::Tensor& acc, const std::vector<int64_t>& offsets,
                   const std::vector<int64_t>& numels) {
   TORCH_CHECK(offsets.size() == numels.size(), op, ": offsets and numels must have the same length, got ",
-              offsets.size(), " and ", numels.size());
+              num(offsets.size()), " and ", num(numels.size()));
   const int64_t size = acc.numel();
   for (size_t i = 0; i < offsets.size(); ++i) {
-    TORCH_CHECK(offsets[i] >= 0 && numels[i] >= 0, op, ": segment ", i, " has a negative offset or numel (",
-                offsets[i], ", ", numels[i], ")");
+    TORCH_CHECK(offsets[i] >= 0 && numels[i] >= 0, op, ": segment ", num(i), " has a negative offset or numel (",
+                num(offsets[i]), ", ", num(numels[i]), ")");
     // Written as a subtraction so that huge values cannot overflow past the check.
-    TORCH_CHECK(offsets[i] <= size && numels[i] <= size - offsets[i], op, ": segment ", i, " [", offsets[i], ", ",
-                offsets[i], " + ", numels[i], ") ends past acc's ", size, " elements");
+    TORCH_CHECK(offsets[i] <= size && numels[i] <= size - offsets[i], op, ": segment ", num(i), " [",
+                num(offsets[i]), ", ", num(offsets[i]), " + ", num(numels[i]), ") ends past acc's ", num(size),
+                " elements");
   }
 }
 
@@ -73,7 +89,7 @@ void check_scalar(const char* op, const char* name, const at::Tensor& value, con
   TORCH_CHECK(value.defined(), op, ": ", name, " must be a tensor, got None");
   TORCH_CHECK(value.device() == acc.device(), op, ": ", name, " must be on acc's device ", acc.device(), ", got ",
               value.device());
-  TORCH_CHECK(value.dim() == 0, op, ": ", name, " must be a 0-d tensor, got shape ", value.sizes());
+  TORCH_CHECK(value.dim() == 0, op, ": ", name, " must be a 0-d tensor, got shape ", shape(value.sizes()));
   TORCH_CHECK(value.scalar_type() == acc.scalar_type(), op, ": ", name, " must have acc's dtype ",
               acc.scalar_type(), ", got ", value.scalar_type());
 }
@@ -104,8 +120,8 @@ Table pack_table(const char* op, const at::Tensor& acc, const std::vector<Option
                  const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels, bool keep_missing) {
   check_layout(op, acc, offsets, numels);
   if (grads != nullptr) {
-    TORCH_CHECK(grads->size() == offsets.size(), op, ": grads must hold one entry per segment (", offsets.size(),
-                "), got ", grads->size());
+    TORCH_CHECK(grads->size() == offsets.size(), op, ": grads must hold one entry per segment (",
+                num(offsets.size()), "), got ", num(grads->size()));
   }
   struct Entry {
     int64_t address;  // 0: no gradient
@@ -122,14 +138,14 @@ Table pack_table(const char* op, const at::Tensor& acc, const std::vector<Option
       if (!grad.has_value() || !grad->defined()) {
         if (!keep_missing) continue;
       } else {
-        TORCH_CHECK(grad->device() == acc.device(), op, ": grads[", i, "] is on ", grad->device(),
+        TORCH_CHECK(grad->device() == acc.device(), op, ": grads[", num(i), "] is on ", grad->device(),
                     ", acc on ", acc.device());
         const auto grad_code = dtype_code(grad->scalar_type());
-        TORCH_CHECK(grad_code.has_value(), op, ": grads[", i,
+        TORCH_CHECK(grad_code.has_value(), op, ": grads[", num(i),
                     "] must be float32, float64, bfloat16 or float16, got ", grad->scalar_type());
-        TORCH_CHECK(grad->is_contiguous(), op, ": grads[", i, "] must be contiguous");
-        TORCH_CHECK(grad->numel() == numels[i], op, ": grads[", i, "] has ", grad->numel(),
-                    " elements, its segment ", numels[i]);
+        TORCH_CHECK(grad->is_contiguous(), op, ": grads[", num(i), "] must be contiguous");
+        TORCH_CHECK(grad->numel() == numels[i], op, ": grads[", num(i), "] has ", num(grad->numel()),
+                    " elements, its segment ", num(numels[i]));
         entry.address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad->data_ptr()));
         entry.code = *grad_code;
       }
@@ -258,8 +274,8 @@ void scale(const at::Tensor& acc, const std::vector<int64_t>& offsets, const std
     const auto code = dtype_code(out->scalar_type());
     TORCH_CHECK(code.has_value(), op, ": out must be float32, float64, bfloat16 or float16, got ",
                 out->scalar_type());
-    TORCH_CHECK(out->dim() == 1 && out->numel() == acc.numel(), op, ": out must be flat with acc's ", acc.numel(),
-                " elements, got shape ", out->sizes());
+    TORCH_CHECK(out->dim() == 1 && out->numel() == acc.numel(), op, ": out must be flat with acc's ",
+                num(acc.numel()), " elements, got shape ", shape(out->sizes()));
     TORCH_CHECK(out->is_contiguous(), op, ": out must be contiguous");
     out_dtype = *code;
     out_ptr = out->data_ptr();
