@@ -245,11 +245,14 @@ def _wrap(recipe: Recipe, model: torch.nn.Module, config: Config) -> torch.nn.Mo
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=config.ddp_bucket_cap_mb)
         ddp.register_comm_hook(None, _counting_allreduce_hook)
         return ddp
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # These runs are gloo on CPU: FSDP2's default mesh would be the accelerator's on a machine that has one.
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 @contextlib.contextmanager

@@ -142,8 +142,23 @@ def _wrap(kind: str, rank: int, bucket_view: bool = False) -> torch.nn.Module:
 
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    return fully_shard(model)
+            fully_shard(layer, mesh=cpu_mesh())
+    return fully_shard(model, mesh=cpu_mesh())
+
+
+def cpu_mesh() -> Any:
+    """The ranks as a CPU device mesh, made once: FSDP2's default mesh is the accelerator's where there is one
+    (CUDA on a GPU machine), and these runs keep their models on the CPU under gloo."""
+    if _CPU_MESH:
+        return _CPU_MESH[0]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _CPU_MESH.append(init_device_mesh("cpu", (dist.get_world_size(),)))
+    return _CPU_MESH[0]
+
+
+_CPU_MESH: list[Any] = []
 
 
 def _resumed_through_dcp(model: torch.nn.Module, opt: Any, build: Callable[[], tuple]) -> tuple:
@@ -490,7 +505,7 @@ def run_fp16_overflow(rank: int) -> dict[str, Any]:
     model = torch.nn.Linear(4, WORLD, bias=False).to(torch.float16)
     with torch.no_grad():
         model.weight.zero_()
-    fully_shard(model)
+    fully_shard(model, mesh=cpu_mesh())
     opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=1.0), 2, model=model, normalization="sum")
     x = torch.ones(1, 4, dtype=torch.float16)
     shards = []
