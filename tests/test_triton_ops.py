@@ -514,10 +514,13 @@ def test_segments_past_int32_offsets():
     assert torch.equal(torch.cat([out[window] for window in windows]), expected_out)
 
 
-def _run_every_op(device: torch.device, backend: str, seed: int) -> list[torch.Tensor]:
+def _run_every_op(
+    device: torch.device, backend: str, seed: int, keep: list[FlatGradBuffer] | None = None
+) -> list[torch.Tensor]:
     """Two folds, a fold_finish_, per-segment sums of squares and a scale into bf16, on a buffer on ``device``.
 
     Everything is made and run on the current stream; the results are returned for comparison across backends.
+    ``keep`` gets the buffer, which keeps its cached device tables alive (they are held weakly by the buffer).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     params = [torch.empty(shape, device=device) for shape in LAYOUTS["mixed"]]
@@ -533,6 +536,8 @@ def _run_every_op(device: torch.device, backend: str, seed: int) -> list[torch.T
     per_segment = ops.sum_of_squares(buffer, per_segment=True, backend=backend)
     out = torch.zeros(buffer.numel, dtype=torch.bfloat16, device=device)
     ops.scale_(buffer, scale, out=out, backend=backend)
+    if keep is not None:
+        keep.append(buffer)
     return [buffer.data.clone(), total, nonfinite, per_segment, out]
 
 
@@ -568,12 +573,13 @@ def test_ops_on_a_side_stream_after_the_default_stream():
     """The cached device tables are per stream: a second stream gets tables its own launches are ordered after."""
     device = torch.device("cuda", torch.cuda.current_device())
     expected = _run_every_op(device, "reference", seed=9)
-    _assert_same_results(_run_every_op(device, "triton", seed=9), expected)
+    kept: list[FlatGradBuffer] = []
+    _assert_same_results(_run_every_op(device, "triton", seed=9, keep=kept), expected)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        on_side = _run_every_op(device, "triton", seed=9)
+        on_side = _run_every_op(device, "triton", seed=9, keep=kept)
     torch.cuda.current_stream(device).wait_stream(side)
     _assert_same_results(on_side, expected)
-    streams = {key[0] for cached in _layout._cached.values() for key in cached.grads}
+    streams = {key[0] for buffer in kept for key in _layout._cached[buffer.data].grads}
     assert {torch.cuda.current_stream(device).stream_id, side.stream_id} <= streams
