@@ -97,8 +97,12 @@ print('backends:', gafused.available_backends())" 2>&1 | tee -a "$(log build)"
 }
 
 phase_tests() {
-  "$python" -m pytest tests -q -rs --durations=15 --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$(log tests)" |
-    tail -40
+  # With pytest-xdist (the GPU machines have it), files run in 8 workers, and a test that crashes its process
+  # (a segfault in an extension) fails alone: xdist replaces the worker and the rest of the suite still runs.
+  local parallel=()
+  "$python" -c "import xdist" >/dev/null 2>&1 && parallel=(-n 8 --dist loadfile)
+  "$python" -m pytest tests -q -rfEs --durations=15 "${parallel[@]}" --junitxml="$out/gpu-tests.xml" 2>&1 |
+    tee "$(log tests)" | tail -40
   return "${PIPESTATUS[0]}"
 }
 
