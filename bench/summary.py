@@ -325,11 +325,38 @@ def readme_tables(results: dict) -> str:
             f"| {label} | {dtype} | {moment} | " + " | ".join(cells) + " | "
             + " / ".join("-" if v is None else str(v) for v in launches) + " |"
         )  # fmt: skip
-    tables = ["\n".join(lines)]
+    tables = ["\n".join(lines)] if rows else []
     e2e = results.get("e2e")
     if e2e:
         e2e_lines = ["| recipe | ms per optimizer step | gafused backend |", "| --- | --- | --- |"]
         for row in e2e["rows"]:
             e2e_lines.append(f"| {row['recipe']} | {row['ms_per_step']:.1f} | {row.get('backend') or '-'} |")
         tables.append("\n".join(e2e_lines))
+    if results["meta"]["device_type"] != "cpu" and results.get("kernels"):
+        tables.append(_kernel_table(results["kernels"]))
     return "\n\n".join(tables)
+
+
+def _kernel_table(rows: list[dict]) -> str:
+    """The kernel sweep of a GPU run: each fused op's GB/s and share of the same run's copy bandwidth per buffer
+    size, the goal being 90% from 256 MB up."""
+    sizes = sorted({r["acc_mb"] for r in rows})
+    fused = [r for r in rows if r["backend"] in ("triton", "cuda")]
+    keys = list(dict.fromkeys((r["backend"], r["op"], r["grad_dtype"]) for r in fused))
+    by_key = {(r["backend"], r["op"], r["grad_dtype"], r["acc_mb"]): r for r in fused}
+    copy = {size: next(r["copy_gbps"] for r in rows if r["acc_mb"] == size) for size in sizes}
+    lines = [
+        "| backend | op | grads | " + " | ".join(f"{size} MB: GB/s (of copy)" for size in sizes) + " |",
+        "| --- " * (3 + len(sizes)) + "|",
+        "| copy_ | - | - | " + " | ".join(f"{copy[size]:.0f}" for size in sizes) + " |",
+    ]
+    for backend, op, dtype in keys:
+        cells = []
+        for size in sizes:
+            row = by_key.get((backend, op, dtype, size))
+            cells.append(
+                "-" if row is None or row["status"] != "ok"
+                else f"{row['gbps']:.0f} ({row['fraction_of_copy_bw']:.0%})"
+            )  # fmt: skip
+        lines.append(f"| {backend} | {op} | {dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -432,6 +432,29 @@ def test_the_readme_benchmark_figures_are_the_committed_results() -> None:
         assert "with uncommitted changes in the tree" in flat
 
 
+def test_the_readme_gpu_kernel_table_is_the_committed_result() -> None:
+    import summary
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**GPU: ") : readme.index("## Development")]
+    cited = section.split("GPU kernel figures: `", 1)[1].split("`", 1)[0]
+    results = json.loads((ROOT / cited).read_text())
+    assert results["meta"]["device_type"] == "cuda" and results["meta"]["device"] in cited.replace("-", " ").upper()
+    assert cited.removeprefix("bench/results/") in (ROOT / "bench" / "results" / "README.md").read_text()
+    assert summary.readme_tables(results) in section, "the table is `python bench/run.py --table` of the cited file"
+    flat = " ".join(section.split())
+    rows = {(r["backend"], r["op"], r["grad_dtype"], r["acc_mb"]): r for r in results["kernels"]}
+    largest = max(r["acc_mb"] for r in results["kernels"])
+    reached = sorted(key[:3] for key, r in rows.items() if key[3] == largest and r["fraction_of_copy_bw"] >= 0.9)
+    assert reached == sorted(
+        [("triton", op, dtype) for op, dtype in [("scale_cast", "-"), ("sum_of_squares", "-"), ("fold", "fp32"),
+                                                 ("fold_finish", "fp32")]]
+        + [("cuda", "scale_cast", "-"), ("cuda", "sum_of_squares", "-")]
+    ), "the README names the ops that reach 90% at the largest size"  # fmt: skip
+    smallest = [r["fraction_of_copy_bw"] for key, r in rows.items() if key[3] == 256 and key[0] in ("triton", "cuda")]
+    assert f"every op does ({min(smallest) * 100:.0f}-{max(smallest):.0%})" in flat
+
+
 def test_a_failed_provider_fails_the_run(monkeypatch, tmp_path, capsys) -> None:
     import run
     import triton_launches
