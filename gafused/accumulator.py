@@ -797,25 +797,37 @@ class GradAccumulator(torch.optim.Optimizer):
         if self._micro is not None:
             raise RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
         unfolded = self._unfolded_names()
+        refusal = None
         if unfolded:
-            raise RuntimeError(
+            refusal = RuntimeError(
                 f"flush(): {len(unfolded)} parameter(s) hold gradients not folded by step(), e.g. {unfolded[0]}; "
                 "call step() to include them or zero_grad() to drop them first"
             )
         if self._global:
-            self._check_window_end()
-            sums = self._reduced_window_sums(self.micro_step)
+            if refusal is None:
+                try:
+                    self._check_window_end()
+                except RuntimeError as error:
+                    refusal = error
+            # A rank that refuses still joins the window sums, with an impossible count (-1), so that every rank
+            # raises here rather than wait in the collective for it; nothing has changed on any rank.
+            sums = self._reduced_window_sums(-1 if refusal is not None else self.micro_step)
+            if refusal is not None:
+                raise refusal
             count, squares = sums[2:4].tolist()
+            if squares * self._sync.world_size != count * count:
+                raise RuntimeError(
+                    f"flush(): the ranks are at different micro-steps (this rank: {self.micro_step}), or another "
+                    "rank refused flush() (its error says why); nothing changed. Every rank must run the same "
+                    "number of micro-batches before flush()"
+                )
             if count == 0:
                 self.stepped = False
                 return False
-            if squares * self._sync.world_size != count * count:
-                raise RuntimeError(
-                    f"flush(): the ranks are at different micro-steps (this rank: {self.micro_step}); every rank "
-                    "must run the same number of micro-batches before flush()"
-                )
             self._finish_across_ranks(sums)
             return self.stepped
+        if refusal is not None:
+            raise refusal
         if self.micro_step == 0:
             self.stepped = False
             return False

@@ -580,6 +580,21 @@ def _misuse(rank: int) -> dict[str, str]:
         said["window ends apart"] = str(error)
     said["window ends apart micro_step"] = str(opt.micro_step)
     opt.zero_grad()
+    # flush() refused on rank 1 alone (a stray loss.backward() left gradients no step() folded): every rank raises,
+    # none waits for the others, nothing changed, and once rank 1 drops them every rank flushes alike.
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
+    opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    if rank == 1:
+        token_losses(ddp, x, y).mean().backward()
+    try:
+        opt.flush()
+        said["flush refused on one rank"] = "no error"
+    except RuntimeError as error:
+        said["flush refused on one rank"] = str(error)
+    said["flush refused on one rank micro_step"] = str(opt.micro_step)
+    opt.zero_grad()
+    said["flush after the refusal"] = str(opt.flush())
     # A mid-window checkpoint holds this rank's part: loading another rank's is refused.
     opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
     opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])

@@ -241,6 +241,9 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["ddp sync after the accumulator is dropped"] == "True"  # DDP synchronizes again on its own
         assert f"different micro-steps (this rank: {rank + 1})" in said["window ends apart"]
         assert "discarded" in said["window ends apart"] and said["window ends apart micro_step"] == "0"
+        refused = said["flush refused on one rank"]
+        assert ("not folded by step()" if rank == 1 else "another rank refused flush()") in refused, refused
+        assert said["flush refused on one rank micro_step"] == "1" and said["flush after the refusal"] == "True"
         assert said["checkpoint rank"] == str(rank)
         assert "['rank']" in said["other rank's checkpoint"] and "each rank's own" in said["other rank's checkpoint"]
         assert "float16" in said["fsdp fp16 loss weight"] and "loss.float()" in said["fsdp fp16 loss weight"]
