@@ -519,6 +519,15 @@ def run_fp16_overflow(rank: int) -> dict[str, Any]:
     return {"shards": shards, "skipped": opt.skipped_steps, "stepped": opt.stepped}
 
 
+def _said(refused: type[Exception], call: Callable[..., object], *args: Any, **kwargs: Any) -> str:
+    """What ``call(*args, **kwargs)`` says: the message of the ``refused`` error it raises, or 'no error'."""
+    try:
+        call(*args, **kwargs)
+    except refused as error:
+        return str(error)
+    return "no error"
+
+
 def _misuse(rank: int) -> dict[str, str]:
     """What the accumulator says to recipes it refuses, as (case -> message or 'no error')."""
     import gafused
@@ -531,37 +540,25 @@ def _misuse(rank: int) -> dict[str, str]:
     said["no model"] = " | ".join(str(w.message) for w in caught)
     ddp = torch.nn.parallel.DistributedDataParallel(make_model())
     stray = torch.nn.Parameter(torch.zeros(3))
-    try:
-        gafused.GradAccumulator(torch.optim.SGD([*ddp.parameters(), stray], lr=LR), N, model=ddp)
-        said["stray param"] = "no error"
-    except ValueError as error:
-        said["stray param"] = str(error)
-    try:  # refused after the model was looked at: DDP must keep its own synchronization
-        gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp, backend="cuda")
-        said["refused construction"] = "no error"
-    except RuntimeError as error:
-        said["refused construction"] = str(error)
+    sgd = torch.optim.SGD([*ddp.parameters(), stray], lr=LR)
+    said["stray param"] = _said(ValueError, gafused.GradAccumulator, sgd, N, model=ddp)
+    # Refused after the model was looked at: DDP must keep its own synchronization.
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR)
+    said["refused construction"] = _said(RuntimeError, gafused.GradAccumulator, sgd, N, model=ddp, backend="cuda")
     said["ddp sync after a refused construction"] = str(ddp.require_backward_grad_sync)
     fsdp = _wrap("fsdp", rank)
     opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), N, model=fsdp)
     x, y = micro_batch(rank, 0, 0)
     token_losses(fsdp, x, y).mean().backward()
-    try:
-        opt.step(weight=x.shape[0])
-        said["fsdp step weight"] = "no error"
-    except ValueError as error:
-        said["fsdp step weight"] = str(error)
+    said["fsdp step weight"] = _said(ValueError, opt.step, weight=x.shape[0])
     said["fsdp step weight micro_step"] = str(opt.micro_step)
     opt.zero_grad()
     fsdp = _wrap("fsdp", rank)
     opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), None, model=fsdp)
     fsdp.set_requires_gradient_sync(False)
     opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
-    try:  # FSDP held the gradients back and the window's end comes too late to reduce them
-        opt.step(end_window=True)
-        said["fsdp no_sync end at step"] = "no error"
-    except RuntimeError as error:
-        said["fsdp no_sync end at step"] = str(error)
+    # FSDP held the gradients back and the window's end comes too late to reduce them.
+    said["fsdp no_sync end at step"] = _said(RuntimeError, opt.step, end_window=True)
     fsdp.set_requires_gradient_sync(True)
     accumulator = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
     said["ddp sync while the accumulator lives"] = str(ddp.require_backward_grad_sync)
@@ -571,13 +568,13 @@ def _misuse(rank: int) -> dict[str, str]:
     # Ranks that end a window at different micro-steps (rank 0 after one, rank 1 after two): every rank raises,
     # naming its own count, and discards its window.
     opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), None, model=ddp)
-    try:
+
+    def end_apart(opt: gafused.GradAccumulator) -> None:
         for micro in range(rank + 1):
             opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0], end_window=micro == rank)
             opt.step()
-        said["window ends apart"] = "no error"
-    except RuntimeError as error:
-        said["window ends apart"] = str(error)
+
+    said["window ends apart"] = _said(RuntimeError, end_apart, opt)
     said["window ends apart micro_step"] = str(opt.micro_step)
     opt.zero_grad()
     # flush() refused on rank 1 alone (a stray loss.backward() left gradients no step() folded): every rank raises,
@@ -587,11 +584,7 @@ def _misuse(rank: int) -> dict[str, str]:
     opt.step()
     if rank == 1:
         token_losses(ddp, x, y).mean().backward()
-    try:
-        opt.flush()
-        said["flush refused on one rank"] = "no error"
-    except RuntimeError as error:
-        said["flush refused on one rank"] = str(error)
+    said["flush refused on one rank"] = _said(RuntimeError, opt.flush)
     said["flush refused on one rank micro_step"] = str(opt.micro_step)
     opt.zero_grad()
     said["flush after the refusal"] = str(opt.flush())
@@ -602,11 +595,7 @@ def _misuse(rank: int) -> dict[str, str]:
     state = opt.state_dict()
     said["checkpoint rank"] = str(state["gafused"]["rank"])
     state["gafused"]["rank"] = 1 - rank
-    try:
-        opt.load_state_dict(state)
-        said["other rank's checkpoint"] = "no error"
-    except ValueError as error:
-        said["other rank's checkpoint"] = str(error)
+    said["other rank's checkpoint"] = _said(ValueError, opt.load_state_dict, state)
     opt.zero_grad()
     del opt
     said.update(_fsdp_weight_cases(rank, x, y))
@@ -650,12 +639,12 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
     opt = gafused.GradAccumulator(torch.optim.SGD(first, lr=LR), N, model=plain)
     before = [param.detach().clone() for param in plain.parameters()]
     other = torch.optim.SGD(rest, lr=LR)  # meant to step once per window, after the accumulator
-    try:
+
+    def both_step(opt: gafused.GradAccumulator) -> None:
         window([opt], plain)
         other.step()
-        said["plain second optimizer"] = "no error"
-    except RuntimeError as error:
-        said["plain second optimizer"] = str(error)
+
+    said["plain second optimizer"] = _said(RuntimeError, both_step, opt)
     said["plain second optimizer micro_step"] = str(opt.micro_step)  # the refused last step changed nothing
     said["plain second optimizer params"] = str(all(map(torch.equal, plain.parameters(), before)))
     opt.zero_grad()
@@ -665,11 +654,7 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
     module._ddp_params_and_buffers_to_ignore = ["4.weight", "4.bias"]  # DDP never reduces these either
     ignoring = torch.nn.parallel.DistributedDataParallel(module)
     opt = gafused.GradAccumulator(torch.optim.SGD(list(module.parameters())[:4], lr=LR), N, model=ignoring)
-    try:
-        window([opt], ignoring)
-        said["params ddp ignores"] = "no error"
-    except RuntimeError as error:
-        said["params ddp ignores"] = str(error)
+    said["params ddp ignores"] = _said(RuntimeError, window, [opt], ignoring)
     del opt
 
     hooked = _wrap("ddp", rank)  # a communication hook, which gafused's own reduction bypasses
@@ -680,11 +665,8 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
     del opt
 
     static = torch.nn.parallel.DistributedDataParallel(make_model(), static_graph=True)
-    try:
-        gafused.GradAccumulator(torch.optim.SGD(static.parameters(), lr=LR), N, model=static)
-        said["static graph"] = "no error"
-    except ValueError as error:
-        said["static graph"] = str(error)
+    sgd = torch.optim.SGD(static.parameters(), lr=LR)
+    said["static graph"] = _said(ValueError, gafused.GradAccumulator, sgd, N, model=static)
     said["static graph sync"] = str(static.require_backward_grad_sync)
     return said
 
@@ -697,11 +679,7 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     said: dict[str, str] = {}
     fsdp = _wrap("fsdp", rank)
     opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=0.0), 1, model=fsdp)
-    try:
-        opt.backward(token_losses(fsdp, x, y).mean().half(), weight=1e5)
-        said["fsdp fp16 loss weight"] = "no error"
-    except ValueError as error:
-        said["fsdp fp16 loss weight"] = str(error)
+    said["fsdp fp16 loss weight"] = _said(ValueError, opt.backward, token_losses(fsdp, x, y).mean().half(), weight=1e5)
     said["fsdp fp16 loss weight micro_step"] = str(opt.micro_step)
     norms = []
     for factor in (None, 1.0, float(WORLD) * 4):

@@ -222,6 +222,11 @@ def test_trigger_called_on_the_class_is_refused_under_ddp(runs: dict) -> None:
 # --- in-process checks, one process ----------------------------------------------------------------------------------
 
 
+def _initial_state(accelerator, model) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """A copy of the model's parameters before training, for the reference windows."""
+    return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+
 def _prepared(clip: float | None = None, steps: int = 2, batches: int = 5):
     from accelerate import Accelerator
 
@@ -352,7 +357,7 @@ def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
     each on the weighted mean of its window, and the scheduler steps once per window."""
     accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=5)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     stepped, batches = [], list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):
@@ -381,7 +386,7 @@ def test_training_goes_on_after_a_failed_step(fresh_accelerate, loop: str) -> No
 
     optimizer.optimizer.register_step_pre_hook(fail_once)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     stepped, failed, batches = [], [], list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):
@@ -411,7 +416,7 @@ def test_a_block_without_backward_changes_nothing(fresh_accelerate, loop: str, e
     in p.grad after the sync step: it is not a gradient waiting for a step()."""
     accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     batches = list(loader)
     windows, window = [], []
     for index, batch in enumerate(loader):
@@ -440,7 +445,7 @@ def test_a_block_that_steps_without_backward_is_a_micro_batch_without_gradients(
     same step as the mean at 4 / 5 of the learning rate), and left out with weight=0."""
     accelerator, model, optimizer, loader, _ = _prepared(steps=3, batches=3)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     batches = list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):
@@ -476,7 +481,7 @@ def test_a_refused_step_changes_nothing(fresh_accelerate) -> None:
     (zero_grad) and go on, and the next windows fold and step as plain PyTorch does without that micro-batch."""
     accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     batches = list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):
@@ -508,7 +513,7 @@ def test_backward_without_an_accumulate_block_is_refused(fresh_accelerate, where
     on as if it had not been made."""
     accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     batches = list(loader)
     refused = _OUTSIDE + r".*gradient_accumulation_steps is 2: plain Accelerate divides each loss by 2"
     for index, batch in enumerate(loader):
@@ -534,7 +539,7 @@ def test_backward_and_step_after_the_blocks_exit_belong_to_its_micro_batch(fresh
     apart (no block was refused), as plain Accelerate's flag, set by the block, still holds after it."""
     accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    initial = _initial_state(accelerator, model)
     batches = list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):

@@ -313,7 +313,8 @@ class GradAccumulation(Callback):
         self, loss: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         """The precision plugin's ``backward(tensor, model, optimizer, ...)`` during fit: fold this micro-batch into
-        the window (what ``LightningModule.backward``, which it would call, does not override: that is refused)."""
+        the window, in place of the ``LightningModule.backward`` call the plugin would make (an override of it is
+        refused, so nothing is skipped)."""
         accumulator = self._require_accumulator()
         if model is not self._module:
             raise RuntimeError(
