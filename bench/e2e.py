@@ -1,14 +1,19 @@
-"""End-to-end: one optimizer step of a small GPT, big batch against micro-batches x N.
+"""End-to-end: one optimizer step of a GPT, big batch against micro-batches x N.
 
-Three recipes reach the same global batch:
+Four recipes reach the same global batch:
 - ``big batch``: one forward/backward over the whole batch, ``clip_grad_norm_``, ``optimizer.step()``;
 - ``plain accumulation``: N micro-batches with ``(loss / N).backward()`` accumulating in ``.grad``, then
   ``clip_grad_norm_`` and ``optimizer.step()`` (the PyTorch recipe);
-- ``gafused``: N micro-batches with ``loss.backward(); acc.step(); acc.zero_grad()``.
+- ``gafused`` (fold at step): N micro-batches with ``loss.backward(); acc.step(); acc.zero_grad()``;
+- ``gafused backward`` (fold during backward): N micro-batches with ``acc.backward(loss); acc.step();
+  acc.zero_grad()``, the loop that keeps peak memory at plain PyTorch's.
 
-Each recipe gets a fresh model from the same seed and a fresh AdamW. Times are per optimizer step; peak
-memory is ``torch.cuda.max_memory_allocated`` over one step on GPU and is not measured on CPU (the process's
-peak RSS never goes down, so a delta over it would not be a per-recipe number).
+On a GPU the model is GPT-2 124M at sequence 1024, micro-batch 1, N = 8, under bf16 autocast with fp32 weights:
+transformers' ``GPT2LMHeadModel`` from its default config (random init) when transformers is importable, else
+``TinyGPT`` with the same shapes (the results name which). Each recipe gets a fresh model from the same seed and
+a fresh AdamW. Times are per optimizer step; peak memory is ``torch.cuda.max_memory_allocated`` over one step on
+GPU and is not measured on CPU (the process's peak RSS never goes down, so a delta over it would not be a
+per-recipe number).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch import nn
 
 import gafused
 
-__all__ = ["TinyGPTConfig", "TinyGPT", "run_e2e"]
+__all__ = ["TinyGPTConfig", "TinyGPT", "HFGPT2", "run_e2e"]
 
 
 @dataclass(frozen=True)
@@ -86,11 +91,40 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+class HFGPT2(nn.Module):
+    """transformers' GPT2LMHeadModel from its default config (GPT-2 124M, random init), with TinyGPT's loss."""
+
+    def __init__(self, config: TinyGPTConfig) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf_config = GPT2Config(
+            vocab_size=config.vocab, n_positions=config.seq_len, n_embd=config.hidden, n_layer=config.layers,
+            n_head=config.heads,
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel(hf_config)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=tokens).logits.float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _model_class(device: torch.device, mode: str) -> type[nn.Module]:
+    """HFGPT2 for the GPU run when transformers is importable, else TinyGPT (same shapes)."""
+    if device.type == "cuda" and mode != "quick":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return TinyGPT
+        return HFGPT2
+    return TinyGPT
+
+
 def config_for(device: torch.device, mode: str) -> TinyGPTConfig:
-    """GPT-2 124M at sequence 1024 on GPU; a small model on CPU, a tiny one in ``--quick``."""
+    """GPT-2 124M at sequence 1024, N = 8 on GPU; a small model on CPU, a tiny one in ``--quick``."""
     quick = mode == "quick"
     if device.type == "cuda" and not quick:
-        return TinyGPTConfig(vocab=50257, hidden=768, layers=12, heads=12, seq_len=1024, batch=4, accumulation_steps=4)
+        return TinyGPTConfig(vocab=50257, hidden=768, layers=12, heads=12, seq_len=1024, batch=8, accumulation_steps=8)
     if quick:
         return TinyGPTConfig(vocab=512, hidden=64, layers=2, heads=2, seq_len=64, batch=4, accumulation_steps=4)
     return TinyGPTConfig(vocab=2048, hidden=128, layers=4, heads=4, seq_len=128, batch=4, accumulation_steps=4)
@@ -126,9 +160,11 @@ def run_e2e(
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
             return model(x, y)
 
+    model_class = _model_class(device, mode)
+
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = TinyGPT(config).to(device)
+        model = model_class(config).to(device)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def big_batch(model, optimizer) -> Callable[[], None]:
@@ -164,12 +200,28 @@ def run_e2e(
         step.backend = accumulator.backend
         return step
 
+    def with_gafused_backward(model, optimizer) -> Callable[[], None]:
+        accumulator = gafused.GradAccumulator(optimizer, config.accumulation_steps, max_grad_norm=max_grad_norm)
+
+        def step() -> None:
+            for x, y in micro_batches:
+                accumulator.backward(forward(model, x, y))
+                accumulator.step()
+                accumulator.zero_grad()
+            if not accumulator.stepped:
+                raise RuntimeError("gafused: the window did not finish after accumulation_steps micro-batches")
+
+        step.backend = accumulator.backend
+        return step
+
     recipes = [
         (f"big batch {config.batch}", 1, big_batch),
         (f"plain: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
          plain_accumulation),
         (f"gafused: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
          with_gafused),
+        (f"gafused backward: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
+         with_gafused_backward),
     ]  # fmt: skip
     rows = []
     bar = open_bar(progress, "end to end (training steps)", total=len(recipes))
@@ -203,5 +255,9 @@ def run_e2e(
             torch.cuda.empty_cache()
         bar.update()
     bar.close()
-    parameters = sum(p.numel() for p in TinyGPT(config).parameters())
-    return {"config": {**config.__dict__, "parameters": parameters, "autocast_bf16": use_autocast}, "rows": rows}
+    parameters = sum(p.numel() for p in model_class(config).parameters())
+    model_name = "transformers GPT2LMHeadModel" if model_class is HFGPT2 else "TinyGPT"
+    return {
+        "config": {**config.__dict__, "parameters": parameters, "autocast_bf16": use_autocast, "model": model_name},
+        "rows": rows,
+    }

@@ -11,16 +11,19 @@
 #   bash bench/gpu_check.sh tests      # the whole suite (cuda vs reference, triton compiled for real, 2^31 tests)
 #   bash bench/gpu_check.sh sanitize   # compute-sanitizer memcheck and racecheck over the CUDA op tests
 #   bash bench/gpu_check.sh kernels    # the 256 MB..4 GB kernel sweep against copy bandwidth
-#   bash bench/gpu_check.sh bench      # the full benchmark (micro sets, end to end, kernel sweep)
+#   bash bench/gpu_check.sh windows    # whole windows (GPT-2, LLaMA-7B shapes, bf16 grads, N = 8), end to end, memory
+#   bash bench/gpu_check.sh configs    # kernels alone vs with host work; the Triton folds' block sizes and warps
+#   bash bench/gpu_check.sh bench      # the full benchmark (every set and dtype, end to end, kernel sweep)
 #
-# Several phases may be named in one call (bash bench/gpu_check.sh build tests). Phases after `build` use the
-# extension it built in place (gafused/_C*.so), so a later call in the same tree may skip `build`. `all` gives
-# each phase a time limit and stops starting phases when the budget is spent, so one call fits a 10-minute
-# session; each phase alone runs without a limit unless GPU_CHECK_PHASE_LIMIT_S is set.
+# Several phases may be named in one call (bash bench/gpu_check.sh build tests sanitize); `all` is env, build,
+# tests, sanitize and kernels. Phases after `build` use the extension it built in place (gafused/_C*.so), so a
+# later call in the same tree may skip `build` (a phase that needs the extension and finds none builds it first).
+# Every phase gets its own time limit (phase_cap below) or what is left of $GPU_CHECK_BUDGET_S, whichever is
+# less, and no phase starts with less than 20 s left, so one call fits a 10-minute session.
 #
 # Logs and results go to $OUT when it is set, else bench/results/gpu-check; the summary table is printed last
 # and kept as summary.txt beside them. Exit status: 0 when every phase passed or was skipped for a missing tool
-# (compute-sanitizer), 1 when one failed or timed out, 3 when `all` ran out of budget before a phase.
+# (compute-sanitizer), 1 when one failed or timed out, 3 when the budget ran out before a phase.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 repo=$(pwd)
@@ -35,7 +38,8 @@ start=$SECONDS
 summary=()
 
 # Time limit of each phase inside `all`, seconds (the GPU run of the suite has never been timed: it gets most).
-declare -A phase_cap=([env]=30 [build]=240 [tests]=300 [sanitize]=180 [kernels]=150 [bench]=540)
+declare -A phase_cap=([env]=30 [build]=240 [tests]=300 [sanitize]=200 [kernels]=150 [windows]=400 [configs]=150
+  [bench]=540)
 
 log() { echo "$out/gpu-$1.log"; }
 
@@ -73,10 +77,15 @@ try:
     print("triton", triton.__version__)
 except ImportError as error:
     print("triton: not importable:", error)
+for name in ("transformers", "xdist", "matplotlib"):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, "__version__", "importable"))
+    except ImportError:
+        print(name, "not importable")
 EOF
     echo "nvcc: $(command -v nvcc || echo missing) $(nvcc --version 2>/dev/null | tail -1)"
     echo "compute-sanitizer: $(find_tool compute-sanitizer || echo 'not found')"
-    echo "matplotlib: $(have_matplotlib && echo yes || echo 'no (no PNGs)')"
   } 2>&1 | tee "$(log env)"
   return "${PIPESTATUS[0]}"
 }
@@ -132,6 +141,20 @@ phase_kernels() {
   return "${PIPESTATUS[0]}"
 }
 
+phase_windows() {
+  # The issue's whole-window comparison: bf16 gradients into fp32 buffers, N = 8, the five ways it is done.
+  # shellcheck disable=SC2046
+  "$python" bench/run.py --full --sets gpt2-124m,llama-7b --dtypes bf16 --accumulation-steps 8 --no-kernels \
+    --providers naive,foreach,compiled,gafused-triton,gafused-cuda --out "$out" $(plots_flag) 2>&1 |
+    tee "$(log windows)" | tail -60
+  return "${PIPESTATUS[0]}"
+}
+
+phase_configs() {
+  "$python" bench/kernel_configs.py --out "$out" 2>&1 | tee "$(log configs)" | tail -60
+  return "${PIPESTATUS[0]}"
+}
+
 phase_bench() {
   # shellcheck disable=SC2046
   "$python" bench/run.py --full --out "$out" $(plots_flag) 2>&1 | tee "$(log bench)" | tail -80
@@ -148,7 +171,7 @@ detail_of() {
     build) grep -m 1 "^backends:" "$file" ;;
     tests) grep -E "(passed|failed|error)" "$file" | tail -1 | tr -d '=' | sed 's/^ *//' ;;
     sanitize) grep -E "ERROR SUMMARY|RACECHECK SUMMARY|not found" "$file" | sed -E 's/^=+ *//' | paste -sd ';' ;;
-    kernels | bench) grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;
+    kernels | bench | windows | configs) grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;
   esac
 }
 
@@ -180,45 +203,52 @@ run_phase() {  # run_phase NAME LIMIT_S (0: no limit)
 # Phases run under `timeout` in a child bash: it needs the functions and settings.
 export out python
 export -f log find_tool have_matplotlib plots_flag phase_env phase_build phase_tests phase_sanitize phase_kernels \
-  phase_bench
+  phase_windows phase_configs phase_bench
 
 phases=("$@")
 [ "${#phases[@]}" -gt 0 ] || phases=(all)
+[ "${phases[*]}" != all ] || phases=(env build tests sanitize kernels)
 for phase in "${phases[@]}"; do
   case "$phase" in
-    all | env | build | tests | sanitize | kernels | bench) ;;
+    env | build | tests | sanitize | kernels | windows | configs | bench) ;;
     *)
-      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels or bench" >&2
+      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels, windows, configs or bench" >&2
       exit 2
       ;;
   esac
 done
 
-failed=0
-if [ "${phases[0]}" = all ]; then
-  # Each phase gets its cap or what is left of the budget, whichever is less; one that could not get a useful
-  # slice is reported as not run. The build must pass for the later phases to mean anything.
-  for phase in env build tests sanitize kernels; do
-    left=$((budget_s - (SECONDS - start)))
-    limit=$((left < phase_cap[$phase] ? left : phase_cap[$phase]))
-    if [ "$limit" -lt 20 ]; then
-      summary+=("$(printf '%-9s %-12s %5d s  %s' "$phase" "not run" 0 "budget of $budget_s s spent")")
-      [ "$failed" -ne 0 ] || failed=3
-      continue
-    fi
-    run_phase "$phase" "$limit" || {
-      failed=1
-      if [ "$phase" = build ]; then
-        summary+=("$(printf '%-9s %-12s %5d s  %s' "later" "not run" 0 "the build failed")")
+# Without a build named, the first phase that uses the extension is preceded by one when the tree has none.
+if [[ " ${phases[*]} " != *" build "* ]] && ! compgen -G "gafused/_C*.so" >/dev/null; then
+  for i in "${!phases[@]}"; do
+    case "${phases[$i]}" in
+      tests | sanitize | kernels | windows | configs | bench)
+        phases=("${phases[@]:0:$i}" build "${phases[@]:$i}")
         break
-      fi
-    }
-  done
-else
-  for phase in "${phases[@]}"; do
-    run_phase "$phase" "${GPU_CHECK_PHASE_LIMIT_S:-0}" || failed=1
+        ;;
+    esac
   done
 fi
+
+# Each phase gets its cap or what is left of the budget, whichever is less; one that could not get a useful
+# slice is reported as not run. The build must pass for the later phases to mean anything.
+failed=0
+for phase in "${phases[@]}"; do
+  left=$((budget_s - (SECONDS - start)))
+  limit=$((left < phase_cap[$phase] ? left : phase_cap[$phase]))
+  if [ "$limit" -lt 20 ]; then
+    summary+=("$(printf '%-9s %-12s %5d s  %s' "$phase" "not run" 0 "budget of $budget_s s spent")")
+    [ "$failed" -ne 0 ] || failed=3
+    continue
+  fi
+  run_phase "$phase" "$limit" || {
+    failed=1
+    if [ "$phase" = build ]; then
+      summary+=("$(printf '%-9s %-12s %5d s  %s' "later" "not run" 0 "the build failed")")
+      break
+    fi
+  }
+done
 
 printf '%s\n' "${summary[@]}" >"$out/summary.txt"
 echo

@@ -235,13 +235,13 @@ def _e2e(results: dict) -> list[str]:
     c = result["config"]
     lines = [
         _heading(
-            f"END TO END  one optimizer step: GPT of {c['parameters']:,} parameters, seq {c['seq_len']}, batch "
-            f"{c['batch']}, AdamW, clip 1.0"
+            f"END TO END  one optimizer step: {c.get('model', 'TinyGPT')} of {c['parameters']:,} parameters, seq "
+            f"{c['seq_len']}, batch {c['batch']}, AdamW, clip 1.0"
         )
     ]
     for row in result["rows"]:
         peak = "" if row["peak_memory_mb"] is None else f"   peak {row['peak_memory_mb']:.0f} MiB"
-        lines.append(f"  {row['recipe']:<40} {row['ms_per_step']:>8.1f} ms per optimizer step{peak}")
+        lines.append(f"  {row['recipe']:<48} {row['ms_per_step']:>8.1f} ms per optimizer step{peak}")
     return lines
 
 

@@ -491,3 +491,42 @@ def test_bad_arguments_are_refused_before_anything_runs(monkeypatch, tmp_path, c
     with pytest.raises(SystemExit) as info:
         run.main(["--quick", "--no-progress", "--device", "cpu", *argv])
     assert message in str(info.value) + capsys.readouterr().err
+
+
+def test_kernel_configs_times_the_triton_folds_under_each_block_configuration(monkeypatch) -> None:
+    import kernel_configs
+
+    from gafused.triton_backend import _layout
+
+    if "triton" not in gafused.available_backends("cpu"):
+        pytest.skip("triton is not importable")
+    built = []
+    original = _layout._block_table
+
+    def spy(device, itemsize, acc_numel, offsets, numels):
+        table = original(device, itemsize, acc_numel, offsets, numels)
+        built.append((table.block_size, table.num_warps))
+        return table
+
+    monkeypatch.setattr(_layout, "_block_table", spy)
+    rows = kernel_configs.run(torch.device("cpu"), [1 / 64], [(512, 2)], reps=3)
+    # The heuristic's own config first, then the one asked for; launch_config is restored afterwards.
+    assert built == [(1024, 4), (512, 2)]
+    assert _layout.launch_config((1 << 20,)) == (4096, 8)
+    seen = {(r["config"], r["op"], r["grad_dtype"]) for r in rows}
+    folds = {(op, dtype) for op in ("fold", "fold_finish") for dtype in ("bf16", "fp32")}
+    assert seen == {("default", *k) for k in folds | {("scale_cast", "-"), ("sum_of_squares", "-")}} | {
+        ("512x2", *k) for k in folds
+    }
+    assert all(r["backend"] == "triton" and r["idle_ms"] > 0 and r["queued_ms"] is None for r in rows)
+    table = kernel_configs.format_table(rows)
+    assert "512x2" in table and "fold_finish" in table
+
+
+@pytest.mark.parametrize("text", ["4096", "100x8", "4096x3", "4096x8,x"])
+def test_kernel_configs_refuses_a_malformed_config(text: str) -> None:
+    import kernel_configs
+
+    with pytest.raises(ValueError, match="--configs"):
+        kernel_configs.parse_configs(text)
+    assert kernel_configs.parse_configs("4096x8, 8192x16") == [(4096, 8), (8192, 16)]
