@@ -95,19 +95,24 @@ def queued_ms(run: Callable[[], object], flush: torch.Tensor, reps: int) -> floa
 
 
 class _Config:
-    """Within the block, ``launch_config`` returns ``config`` (None: the heuristic's own choice)."""
+    """Within the block, every Triton kernel runs the blocks and warps of ``config`` (None: the heuristics' own
+    choice, ``_layout.launch_config`` and ``fold.fold_num_warps``)."""
 
     def __init__(self, config: tuple[int, int] | None) -> None:
-        from gafused.triton_backend import _layout
+        from gafused.triton_backend import _layout, fold
 
-        self._layout, self._config, self._saved = _layout, config, _layout.launch_config
+        self._config = config
+        self._saved = (_layout.launch_config, fold.fold_num_warps)
+        self._layout, self._fold = _layout, fold
 
     def __enter__(self) -> None:
         if self._config is not None:
-            self._layout.launch_config = lambda numels, itemsize=4: self._config
+            config = self._config
+            self._layout.launch_config = lambda numels, itemsize=4: config
+            self._fold.fold_num_warps = lambda num_warps, acc_itemsize, grad_itemsize: num_warps
 
     def __exit__(self, *exc: object) -> None:
-        self._layout.launch_config = self._saved
+        self._layout.launch_config, self._fold.fold_num_warps = self._saved
 
 
 def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, int]], reps: int) -> list[dict]:

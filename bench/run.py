@@ -96,7 +96,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtypes", help="gradient dtypes, from bf16, fp32 (default: bf16; both in --quick/--full)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument(
-        "--accumulation-steps", type=int, default=4, help="the micro-benchmark's N (>= 3; end to end uses 4 on CPU, 8 on a GPU)"
+        "--accumulation-steps",
+        type=int,
+        default=4,
+        help="the micro-benchmark's N (>= 3; end to end uses 4 on CPU, 8 on a GPU)",
     )
     parser.add_argument(
         "--compile-max-tensors",

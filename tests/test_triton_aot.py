@@ -79,3 +79,17 @@ def test_no_register_spills(compiled):
         if row["stack"] or row["local"]
     ]
     assert not spilled, "\n".join(spilled)
+
+
+def test_fold_variants_run_the_warps_the_launcher_picks(compiled):
+    from gafused.triton_backend._layout import fold_num_warps, launch_config
+
+    # 16-bit gradients into a large fp32 buffer run 4 warps; fp32 gradients and fp64 buffers the table's 8.
+    assert launch_config((1 << 20,), 4) == (4096, 8) and launch_config((1 << 20,), 8) == (2048, 8)
+    assert [fold_num_warps(8, 4, g) for g in (2, 4)] == [4, 8] and fold_num_warps(8, 8, 2) == 8
+    assert fold_num_warps(4, 4, 2) == 4  # small buffers already run 4
+    names = {row["name"] for row in compiled}
+    for finish in (False, True):
+        assert f"fold acc=fp32 grad=bf16 first=False finish={finish} block=4096 warps=4" in names
+        assert f"fold acc=fp32 grad=fp32 first=False finish={finish} block=4096 warps=8" in names
+        assert f"fold acc=fp64 grad=bf16 first=False finish={finish} block=2048 warps=8" in names

@@ -71,13 +71,16 @@ def variants() -> Iterator[dict]:
             common = {"block_segment_ptr": "*i64", "block_start_ptr": "*i64", "segment_offset_ptr": "*i64",
                       "segment_numel_ptr": "*i64"}  # fmt: skip
             for grad_name, grad in GRAD_DTYPES.items():
-                grad_bytes = per_thread * _itemsize(grad)
+                fold_warps = _layout.fold_num_warps(warps, _itemsize(acc), _itemsize(grad))
+                fold_per_thread = block // (32 * fold_warps)
+                grad_bytes, fold_acc_bytes = fold_per_thread * _itemsize(grad), fold_per_thread * _itemsize(acc)
                 for first, finish in [(True, False), (False, False), (True, True), (False, True)]:
                     types = {"acc_ptr": acc_type, "grad_base_ptr": _POINTER_TYPES[grad], "grad_offset_ptr": "*i64",
                              "weight_ptr": acc_type, "scale_ptr": acc_type, "partial_ptr": acc_type,
                              "flag_ptr": "*u8", **common}  # fmt: skip
                     yield {
-                        "name": f"fold acc={acc_name} grad={grad_name} first={first} finish={finish} block={block}",
+                        "name": f"fold acc={acc_name} grad={grad_name} first={first} finish={finish} block={block} "
+                        f"warps={fold_warps}",
                         "kernel": _fold_kernel,
                         "signature": _signature(_fold_kernel, types),
                         "constexprs": {
@@ -87,10 +90,10 @@ def variants() -> Iterator[dict]:
                             "OFFSET_ALIGN": offset_align,
                             "GRAD_ALIGN": _layout.ALIGN_LIMIT,
                         },  # fmt: skip
-                        "warps": warps,
+                        "warps": fold_warps,
                         # the gradient, the accumulator unless the first micro-batch overwrites it; one store
-                        "wide_loads": (grad_bytes + (0 if first else acc_bytes)) // 16,
-                        "wide_stores": acc_bytes // 16,
+                        "wide_loads": (grad_bytes + (0 if first else fold_acc_bytes)) // 16,
+                        "wide_stores": fold_acc_bytes // 16,
                     }
             for out_name, out in {"in_place": acc, **GRAD_DTYPES}.items():
                 types = {"acc_ptr": acc_type, "out_ptr": _POINTER_TYPES[out], "coef_ptr": acc_type, **common}

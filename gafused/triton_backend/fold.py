@@ -13,7 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from gafused.triton_backend._layout import OTHER_LAUNCH, block_position, block_table, grad_tables, on_acc_device
+from gafused.triton_backend._layout import (
+    OTHER_LAUNCH,
+    block_position,
+    block_table,
+    fold_num_warps,
+    grad_tables,
+    on_acc_device,
+)
 from gafused.triton_backend.norm import reduce_partials
 
 __all__ = ["fold_", "fold_finish_"]
@@ -129,6 +136,7 @@ def _launch(
     if table.n_blocks:
         tables = grad_tables(acc, grads)
         for launch, base in enumerate(tables.bases):
+            warps = fold_num_warps(table.num_warps, acc.element_size(), base.element_size())
             _fold_kernel[(table.n_blocks,)](
                 acc,
                 base,
@@ -146,7 +154,7 @@ def _launch(
                 BLOCK=table.block_size,
                 OFFSET_ALIGN=table.offset_align,
                 GRAD_ALIGN=tables.aligns[launch],
-                num_warps=table.num_warps,
+                num_warps=warps,
                 enable_fp_fusion=False,
             )
         del tables  # copies made for the launches: the stream orders their reuse after the kernels
