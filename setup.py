@@ -111,8 +111,9 @@ setup(
         "triton": ["triton>=3.5"],
         "test": ["pytest", "ruff>=0.17,<0.18", "hypothesis", "numpy"],
         # tests/test_correctness.py's float64 GPT-2 proof; it skips with the reason when this is absent.
-        # also gafused.integrations.transformers (Trainer needs accelerate).
-        "transformers": ["transformers", "accelerate"],
+        # also gafused.integrations.transformers (Trainer needs accelerate); the minimum is
+        # gafused.integrations.TRANSFORMERS_MIN_VERSION, the oldest Trainer with every internal GafusedTrainer uses.
+        "transformers": ["transformers>=5.19", "accelerate"],
         # gafused.integrations: each adapter imports its framework lazily.
         "accelerate": ["accelerate"],
         "lightning": ["lightning"],

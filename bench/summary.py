@@ -326,15 +326,53 @@ def readme_tables(results: dict) -> str:
             + " / ".join("-" if v is None else str(v) for v in launches) + " |"
         )  # fmt: skip
     tables = ["\n".join(lines)] if rows else []
+    if rows and results["meta"]["device_type"] != "cpu":
+        tables.append(_window_table(rows, results["meta"]["accumulation_steps"]))
     e2e = results.get("e2e")
     if e2e:
-        e2e_lines = ["| recipe | ms per optimizer step | gafused backend |", "| --- | --- | --- |"]
+        peaks = any(row["peak_memory_mb"] is not None for row in e2e["rows"])  # measured on a GPU only
+        e2e_lines = [
+            "| recipe | ms per optimizer step | gafused backend |" + (" peak MiB |" if peaks else ""),
+            "| --- | --- | --- |" + (" --- |" if peaks else ""),
+        ]
         for row in e2e["rows"]:
-            e2e_lines.append(f"| {row['recipe']} | {row['ms_per_step']:.1f} | {row.get('backend') or '-'} |")
+            peak = f" {row['peak_memory_mb']:.0f} |" if peaks else ""
+            e2e_lines.append(f"| {row['recipe']} | {row['ms_per_step']:.1f} | {row.get('backend') or '-'} |{peak}")
         tables.append("\n".join(e2e_lines))
     if results["meta"]["device_type"] != "cpu" and results.get("kernels"):
         tables.append(_kernel_table(results["kernels"]))
     return "\n\n".join(tables)
+
+
+def window_ms(rows: list[dict], n: int) -> dict[tuple[str, str, str], float]:
+    """Milliseconds per whole window of N micro-batches for each (set, grad dtype, provider) timed at both
+    moments: N - 1 middle micro-batches and the last one. The first micro-batch is counted as a middle one; it
+    writes the buffer without reading it, so this overstates every fused provider's window a little."""
+    ms = {(r["set"], r["grad_dtype"], r["moment"], r["provider"]): r["median_ms"] for r in rows if r["status"] == "ok"}
+    return {
+        (set_name, dtype, provider): (n - 1) * middle + ms[(set_name, dtype, "last", provider)]
+        for (set_name, dtype, moment, provider), middle in ms.items()
+        if moment == "middle" and (set_name, dtype, "last", provider) in ms
+    }
+
+
+def _window_table(rows: list[dict], n: int) -> str:
+    """ms per whole window (``window_ms``) of each provider, and how many times faster than ``naive``."""
+    windows = window_ms(rows, n)
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    keys = list(dict.fromkeys((r["set"], r["grad_dtype"]) for r in rows))
+    lines = [
+        f"| set (window of N = {n}) | grads | " + " | ".join(f"{name} ms (x naive)" for name in names) + " |",
+        "| --- " * (2 + len(names)) + "|",
+    ]
+    for set_name, dtype in keys:
+        naive = windows.get((set_name, dtype, "naive"))
+        cells = []
+        for name in names:
+            ms = windows.get((set_name, dtype, name))
+            cells.append("-" if ms is None else f"{ms:.1f}" + ("" if naive is None else f" ({naive / ms:.1f}x)"))
+        lines.append(f"| {set_name} | {dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _kernel_table(rows: list[dict]) -> str:

@@ -18,8 +18,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import frameworks  # noqa: E402 - bench/ is not a package
 
+from gafused.integrations import TRANSFORMERS_MIN_VERSION  # noqa: E402 - imports no framework
+
 for package in ("accelerate", "transformers", "lightning"):
-    pytest.importorskip(package, reason="needs the framework extras: pip install 'gafused[transformers,lightning]'")
+    pytest.importorskip(
+        package,
+        minversion=TRANSFORMERS_MIN_VERSION if package == "transformers" else None,
+        reason="needs the framework extras: pip install 'gafused[transformers,lightning]'",
+    )
 
 pytestmark = [
     pytest.mark.distributed,

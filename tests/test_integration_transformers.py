@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from gafused.integrations import TRANSFORMERS_MIN_VERSION  # imports no framework
+
+pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN_VERSION)
 pytest.importorskip("accelerate")
 
 import transformers  # noqa: E402
@@ -644,3 +646,16 @@ def test_a_non_finite_window_is_skipped_and_does_not_step_the_scheduler(tmp_path
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     assert not torch.isfinite(torch.tensor(norms[1])) and all(torch.isfinite(torch.tensor(norms[:1] + norms[2:])))
     assert torch.equal(seen[1], seen[2]) and not torch.equal(seen[0], seen[1])  # the window changed nothing
+
+
+def test_an_older_trainer_is_refused_naming_the_version_it_needs() -> None:
+    from gafused.integrations.transformers import _check_trainer_internals
+
+    class OldTrainer:  # a Trainer from before loss_is_scaled_for_ga
+        compute_loss_func = None
+
+    with pytest.raises(RuntimeError, match=rf"transformers >= {TRANSFORMERS_MIN_VERSION} .* loss_is_scaled_for_ga"):
+        _check_trainer_internals(OldTrainer, ("compute_loss_func", "loss_is_scaled_for_ga"))
+    # The extra that installs transformers asks for the same version.
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert f'"transformers>={TRANSFORMERS_MIN_VERSION}"' in setup

@@ -7,3 +7,7 @@
 Importing this package imports none of them; importing a module imports its framework and says how to install
 it when it is missing.
 """
+
+# The oldest transformers whose Trainer has every internal GafusedTrainer builds on (Trainer.loss_is_scaled_for_ga
+# arrived in 5.19.0); setup.py's extra asks for it and the transformers tests skip below it.
+TRANSFORMERS_MIN_VERSION = "5.19"

@@ -76,6 +76,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 from gafused.accumulator import GradAccumulator
+from gafused.integrations import TRANSFORMERS_MIN_VERSION
 
 __all__ = ["GafusedTrainer"]
 
@@ -505,8 +506,9 @@ def _check_trainer_internals(owner: Any, names: tuple[str, ...]) -> None:
     missing = [name for name in names if not hasattr(owner, name)]
     if missing:
         raise RuntimeError(
-            f"GafusedTrainer builds on Trainer internals of transformers 5.x that transformers "
-            f"{transformers.__version__} lacks: {', '.join(missing)}"
+            f"GafusedTrainer builds on Trainer internals of transformers >= {TRANSFORMERS_MIN_VERSION} that "
+            f"transformers {transformers.__version__} lacks: {', '.join(missing)} (pip install "
+            f"'transformers>={TRANSFORMERS_MIN_VERSION}')"
         )
 
 
