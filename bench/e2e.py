@@ -30,7 +30,7 @@ from torch import nn
 
 import gafused
 
-__all__ = ["TinyGPTConfig", "TinyGPT", "HFGPT2", "run_e2e"]
+__all__ = ["TinyGPTConfig", "TinyGPT", "HFGPT2", "Setup", "setup", "run_e2e"]
 
 
 @dataclass(frozen=True)
@@ -130,22 +130,23 @@ def config_for(device: torch.device, mode: str) -> TinyGPTConfig:
     return TinyGPTConfig(vocab=2048, hidden=128, layers=4, heads=4, seq_len=128, batch=4, accumulation_steps=4)
 
 
-def run_e2e(
-    device: torch.device,
-    mode: str,
-    timer: Timer,
-    max_grad_norm: float = 1.0,
-    progress: ProgressFactory | None = None,
-) -> dict:
-    """Time one optimizer step of each recipe; returns the config and one row per recipe.
+@dataclass
+class Setup:
+    """What every recipe of one end-to-end run shares: sizes, data, the model factory and the recipes.
 
-    Args:
-        device: where the model trains.
-        mode: "quick" (a tiny model, the smoke run), "default" or "full" (see ``config_for``).
-        timer: the run's timer (its budget and repetitions apply to whole optimizer steps).
-        max_grad_norm: clip threshold of every recipe.
-        progress: the run's progress factory (see progress.py), or None.
+    ``recipes`` holds (label, micro-batches per optimizer step, make_step); ``make_step(model, optimizer)`` returns a
+    callable that runs one optimizer step (a whole window) and carries the gafused backend as ``.backend``.
     """
+
+    config: TinyGPTConfig
+    model_class: type[nn.Module]
+    use_autocast: bool
+    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+    recipes: list[tuple[str, int, Callable[..., Callable[[], None]]]]
+
+
+def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0) -> Setup:
+    """The model, data and recipes of an end-to-end run on ``device`` in ``mode`` (see ``config_for``)."""
     device = torch.device(device)
     config = config_for(device, mode)
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -223,10 +224,32 @@ def run_e2e(
         (f"gafused backward: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
          with_gafused_backward),
     ]  # fmt: skip
+    return Setup(config, model_class, use_autocast, build, recipes)
+
+
+def run_e2e(
+    device: torch.device,
+    mode: str,
+    timer: Timer,
+    max_grad_norm: float = 1.0,
+    progress: ProgressFactory | None = None,
+) -> dict:
+    """Time one optimizer step of each recipe; returns the config and one row per recipe.
+
+    Args:
+        device: where the model trains.
+        mode: "quick" (a tiny model, the smoke run), "default" or "full" (see ``config_for``).
+        timer: the run's timer (its budget and repetitions apply to whole optimizer steps).
+        max_grad_norm: clip threshold of every recipe.
+        progress: the run's progress factory (see progress.py), or None.
+    """
+    device = torch.device(device)
+    run = setup(device, mode, max_grad_norm)
+    config = run.config
     rows = []
-    bar = open_bar(progress, "end to end (training steps)", total=len(recipes))
-    for label, accumulation, make_step in recipes:
-        model, optimizer = build()
+    bar = open_bar(progress, "end to end (training steps)", total=len(run.recipes))
+    for label, accumulation, make_step in run.recipes:
+        model, optimizer = run.build()
         step = make_step(model, optimizer)
         timing = timer.measure(step)
         peak_mb = None
@@ -255,9 +278,9 @@ def run_e2e(
             torch.cuda.empty_cache()
         bar.update()
     bar.close()
-    parameters = sum(p.numel() for p in model_class(config).parameters())
-    model_name = "transformers GPT2LMHeadModel" if model_class is HFGPT2 else "TinyGPT"
+    parameters = sum(p.numel() for p in run.model_class(config).parameters())
+    model_name = "transformers GPT2LMHeadModel" if run.model_class is HFGPT2 else "TinyGPT"
     return {
-        "config": {**config.__dict__, "parameters": parameters, "autocast_bf16": use_autocast, "model": model_name},
+        "config": {**config.__dict__, "parameters": parameters, "autocast_bf16": run.use_autocast, "model": model_name},
         "rows": rows,
     }

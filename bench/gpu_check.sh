@@ -13,6 +13,7 @@
 #   bash bench/gpu_check.sh kernels    # the 256 MB..4 GB kernel sweep against copy bandwidth
 #   bash bench/gpu_check.sh windows    # whole windows (GPT-2, LLaMA-7B shapes, bf16 grads, N = 8), end to end, memory
 #   bash bench/gpu_check.sh configs    # kernels alone vs with host work; the Triton folds' block sizes and warps
+#   bash bench/gpu_check.sh profile    # one end-to-end window of each accumulation recipe under torch.profiler
 #   bash bench/gpu_check.sh bench      # the full benchmark (every set and dtype, end to end, kernel sweep)
 #
 # Several phases may be named in one call (bash bench/gpu_check.sh build tests sanitize); `all` is env, build,
@@ -39,7 +40,7 @@ summary=()
 
 # Time limit of each phase, seconds. The suite took more than 300 s on an H200 with 8 workers: it gets most.
 declare -A phase_cap=([env]=30 [build]=240 [tests]=480 [sanitize]=200 [kernels]=150 [windows]=400 [configs]=150
-  [bench]=540)
+  [profile]=150 [bench]=540)
 
 log() { echo "$out/gpu-$1.log"; }
 
@@ -156,6 +157,11 @@ phase_configs() {
   return "${PIPESTATUS[0]}"
 }
 
+phase_profile() {
+  "$python" bench/e2e_profile.py --out "$out" 2>&1 | tee "$(log profile)" | tail -60
+  return "${PIPESTATUS[0]}"
+}
+
 phase_bench() {
   # shellcheck disable=SC2046
   "$python" bench/run.py --full --out "$out" $(plots_flag) 2>&1 | tee "$(log bench)" | tail -80
@@ -172,7 +178,7 @@ detail_of() {
     build) grep -m 1 "^backends:" "$file" ;;
     tests) grep -E "[0-9]+ (passed|failed|errors?|skipped)" "$file" | tail -1 | tr -d '=' | sed 's/^ *//' ;;
     sanitize) grep -E "ERROR SUMMARY|RACECHECK SUMMARY|not found" "$file" | sed -E 's/^=+ *//' | paste -sd ';' ;;
-    kernels | bench | windows | configs) grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;
+    kernels | bench | windows | configs | profile) grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;
   esac
 }
 
@@ -204,16 +210,16 @@ run_phase() {  # run_phase NAME LIMIT_S (0: no limit)
 # Phases run under `timeout` in a child bash: it needs the functions and settings.
 export out python
 export -f log find_tool have_matplotlib plots_flag phase_env phase_build phase_tests phase_sanitize phase_kernels \
-  phase_windows phase_configs phase_bench
+  phase_windows phase_configs phase_profile phase_bench
 
 phases=("$@")
 [ "${#phases[@]}" -gt 0 ] || phases=(all)
 [ "${phases[*]}" != all ] || phases=(env build tests sanitize kernels)
 for phase in "${phases[@]}"; do
   case "$phase" in
-    env | build | tests | sanitize | kernels | windows | configs | bench) ;;
+    env | build | tests | sanitize | kernels | windows | configs | profile | bench) ;;
     *)
-      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels, windows, configs or bench" >&2
+      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels, windows, configs, profile or bench" >&2
       exit 2
       ;;
   esac
@@ -223,7 +229,7 @@ done
 if [[ " ${phases[*]} " != *" build "* ]] && ! compgen -G "gafused/_C*.so" >/dev/null; then
   for i in "${!phases[@]}"; do
     case "${phases[$i]}" in
-      tests | sanitize | kernels | windows | configs | bench)
+      tests | sanitize | kernels | windows | configs | profile | bench)
         phases=("${phases[@]:0:$i}" build "${phases[@]:$i}")
         break
         ;;

@@ -632,3 +632,33 @@ def test_the_readme_gpu_kernel_configuration_figures_are_the_committed_results()
     from gafused.triton_backend._layout import fold_num_warps, launch_config
 
     assert launch_config((1 << 20,)) == (4096, 8) and fold_num_warps(8, 4, 2) == 4
+
+
+def test_e2e_profile_reports_each_accumulation_recipe_and_gafused_own_host_time(tmp_path) -> None:
+    import e2e_profile
+
+    originals = {name: getattr(gafused.GradAccumulator, name) for name in ("backward", "step", "on_bucket_ready")}
+    assert e2e_profile.main(["--quick", "--device", "cpu", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-e2e-profile.json")
+    results = json.loads(path.read_text())
+    recipes = results["recipes"]
+    assert [label.split(":")[0] for label in recipes] == ["plain", "gafused", "gafused backward"]
+    n = results["config"]["accumulation_steps"]
+    plain, step, backward = recipes.values()
+    assert plain["gafused_ranges"] == {} and plain["backend"] is None
+    # One backward() per micro-batch in the loop that folds during backward, none in the other; step() in both.
+    assert "gafused: GradAccumulator.backward" not in step["gafused_ranges"]
+    assert backward["gafused_ranges"]["gafused: GradAccumulator.backward"]["count"] == n
+    assert backward["gafused_ranges"]["gafused: on_bucket_ready (fold one bucket)"]["count"] >= n
+    assert step["gafused_ranges"]["gafused: GradAccumulator.step"]["count"] == n
+    assert all(r["kernels"] == 0 and r["kernel_busy_ms"] is None and r["wall_ms"] > 0 for r in recipes.values())
+    # The wrappers are gone once the profile is over.
+    assert all(getattr(gafused.GradAccumulator, name) is method for name, method in originals.items())
+    assert "e2e-profile" in path.name and path.with_suffix(".txt").read_text().startswith("one window per recipe")
+
+
+def test_busy_time_is_the_union_of_kernel_intervals() -> None:
+    import e2e_profile
+
+    assert e2e_profile._busy_ms([(0, 1000), (500, 1500), (3000, 4000), (3200, 3300)]) == 2.5
+    assert e2e_profile._busy_ms([]) == 0.0
