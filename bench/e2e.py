@@ -18,6 +18,7 @@ per-recipe number).
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,26 +188,15 @@ def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0) -> Setup:
 
         return step
 
-    def with_gafused(model, optimizer) -> Callable[[], None]:
+    def with_gafused(model, optimizer, fold_in_backward: bool = False) -> Callable[[], None]:
         accumulator = gafused.GradAccumulator(optimizer, config.accumulation_steps, max_grad_norm=max_grad_norm)
 
         def step() -> None:
             for x, y in micro_batches:
-                forward(model, x, y).backward()
-                accumulator.step()
-                accumulator.zero_grad()
-            if not accumulator.stepped:
-                raise RuntimeError("gafused: the window did not finish after accumulation_steps micro-batches")
-
-        step.backend = accumulator.backend
-        return step
-
-    def with_gafused_backward(model, optimizer) -> Callable[[], None]:
-        accumulator = gafused.GradAccumulator(optimizer, config.accumulation_steps, max_grad_norm=max_grad_norm)
-
-        def step() -> None:
-            for x, y in micro_batches:
-                accumulator.backward(forward(model, x, y))
+                if fold_in_backward:
+                    accumulator.backward(forward(model, x, y))
+                else:
+                    forward(model, x, y).backward()
                 accumulator.step()
                 accumulator.zero_grad()
             if not accumulator.stepped:
@@ -222,7 +212,7 @@ def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0) -> Setup:
         (f"gafused: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
          with_gafused),
         (f"gafused backward: batch {micro} x accumulation {config.accumulation_steps}", config.accumulation_steps,
-         with_gafused_backward),
+         functools.partial(with_gafused, fold_in_backward=True)),
     ]  # fmt: skip
     return Setup(config, model_class, use_autocast, build, recipes)
 

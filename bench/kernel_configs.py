@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import provenance  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
 import traffic  # noqa: E402
+from kernels import op_call  # noqa: E402
 from timing import Timer, copy_bandwidth_gbps  # noqa: E402
 
 import gafused  # noqa: E402
-from gafused import ops  # noqa: E402
 
 _SEGMENTS = 8
 _MB = 2**20
@@ -62,18 +62,6 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
                              f"got {item!r}")  # fmt: skip
         configs.append((block, warps))
     return configs
-
-
-def _call(op: str, buffer, grads, out, backend: str) -> Callable[[], object]:
-    """The op as the sweep calls it (weight and scale 1, so repeats neither vanish nor overflow)."""
-    one = torch.ones((), device=buffer.device)
-    if op == "fold":
-        return lambda: ops.fold_(buffer, grads, one, first=False, backend=backend)
-    if op == "fold_finish":
-        return lambda: ops.fold_finish_(buffer, grads, one, one, first=False, backend=backend)
-    if op == "scale_cast":
-        return lambda: ops.scale_(buffer, one, out=out, backend=backend)
-    return lambda: ops.sum_of_squares(buffer, backend=backend)
 
 
 def queued_ms(run: Callable[[], object], flush: torch.Tensor, reps: int) -> float | None:
@@ -144,7 +132,7 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
                     for dtype_name in _GRAD_DTYPES if op in _FOLDS else ("bf16",):
                         if config is not None and op not in _FOLDS:
                             continue
-                        call = _call(op, buffer, grads[dtype_name], out, backend)
+                        call = op_call(op, buffer, grads[dtype_name], out, backend)
                         idle = timer.measure(call)
                         queued = queued_ms(call, flush, reps)
                         moved = traffic.op_bytes_per_element(op, _GRAD_DTYPES[dtype_name]) * segment * _SEGMENTS

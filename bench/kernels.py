@@ -37,6 +37,7 @@ __all__ = [
     "KERNEL_OPS",
     "FIRST_TOUCH_FAULTS",
     "sweep_sizes",
+    "op_call",
     "run_kernel_sweep",
     "first_touch_status",
     "format_kernel_table",
@@ -74,7 +75,7 @@ def _fits(device: torch.device, acc_bytes: int) -> bool:
     return 3.5 * acc_bytes + 512 * _MB < free
 
 
-def _work(op: str, buffer: gafused.FlatGradBuffer, grads: list[torch.Tensor], out: torch.Tensor, backend: str):
+def op_call(op: str, buffer: gafused.FlatGradBuffer, grads: list[torch.Tensor], out: torch.Tensor, backend: str):
     """The call that ``op`` times. Weight and scale are 1, so repeated calls neither vanish nor overflow."""
     one = torch.ones((), device=buffer.device)
     if op == "fold":
@@ -120,7 +121,7 @@ def run_kernel_sweep(
                 for dtype_name, dtype in _GRAD_DTYPES.items():
                     grads = [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
                     for op in _ops_for(dtype_name):
-                        timing = timer.measure(_work(op, buffer, grads, out, backend))
+                        timing = timer.measure(op_call(op, buffer, grads, out, backend))
                         moved = traffic.op_bytes_per_element(op, dtype) * segment * _SEGMENTS
                         gbps = moved / (timing.median_ms * 1e-3) / 1e9
                         rows.append({

@@ -352,14 +352,14 @@ def test_timer_counts_first_touch_and_the_sweep_drops_those_rows(monkeypatch) ->
     touched = torch.zeros(pages * mmap.PAGESIZE // 4)
     assert timer.measure(lambda: touched.add_(1)).page_faults < kernels.FIRST_TOUCH_FAULTS
 
-    real_work = kernels._work
+    real_work = kernels.op_call
 
     def work(op, buffer, grads, out, backend):
         if op == "fold" and backend == "reference":
             return lambda: _touch_fresh_pages(pages * mmap.PAGESIZE)
         return real_work(op, buffer, grads, out, backend)
 
-    monkeypatch.setattr(kernels, "_work", work)
+    monkeypatch.setattr(kernels, "op_call", work)
     rows = kernels.run_kernel_sweep(torch.device("cpu"), "quick", timer)
     # Only the injected rows are sure to fault: a real op may fault too when the allocator hands its temporaries
     # back to the OS between calls, which depends on what ran before in this process (the whole suite, say).
