@@ -101,15 +101,20 @@ def profile_recipe(make_step, build, device: torch.device, warmup: int) -> dict:
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - begin) * 1e3
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # record_function ranges also leave user-annotation events on the GPU timeline, spanning idle time: not kernels.
+    on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in on_gpu if not getattr(e, "is_user_annotation", False)]
     calls = {}
     for name in RUNTIME_CALLS:
         matching = [e for e in events if name in e.name and e.device_type == torch.autograd.DeviceType.CPU]
         calls[name] = {"count": len(matching), "ms": sum(e.cpu_time_total for e in matching) / 1e3}
     averages = prof.key_averages()
     top = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:20]
+    # A range has a CPU entry and, on a GPU, an annotation entry under the same key (no CPU time): keep the CPU one.
     ranges = {
-        a.key: {"count": a.count, "cpu_ms": a.cpu_time_total / 1e3} for a in averages if a.key.startswith("gafused:")
+        a.key: {"count": a.count, "cpu_ms": a.cpu_time_total / 1e3}
+        for a in averages
+        if a.key.startswith("gafused:") and a.device_type == torch.autograd.DeviceType.CPU
     }
     result = {
         "backend": getattr(step, "backend", None),

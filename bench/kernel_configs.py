@@ -8,6 +8,9 @@ script times every op two ways on the same buffer:
 - ``queued``: the device is kept busy (``torch.cuda._sleep``) while the host issues the call, so the events
   around it measure the kernels alone, as in a training step whose launches run ahead of the device.
 
+Each column is compared with a ``copy_`` of the buffer timed the same way (an idle-started copy pays its own
+launch, which at 256 MB is several percent of it).
+
 and repeats the Triton folds with each (block size, warps) of ``--configs`` in place of
 ``gafused.triton_backend._layout.launch_config``'s choice, to find the configuration that streams fastest.
 
@@ -82,6 +85,15 @@ def queued_ms(run: Callable[[], object], flush: torch.Tensor, reps: int) -> floa
     return statistics.median(samples)
 
 
+def queued_copy_gbps(nbytes: int, flush: torch.Tensor, reps: int) -> float | None:
+    """``copy_`` bandwidth (read + write) of ``nbytes`` timed as ``queued_ms`` times an op (None off a GPU): the
+    ceiling of the queued column, since an idle-started copy pays its own launch."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=flush.device).random_(0, 255)
+    target = torch.empty_like(source)
+    ms = queued_ms(lambda: target.copy_(source), flush, reps)
+    return None if ms is None else 2 * nbytes / (ms * 1e-3) / 1e9
+
+
 class _Config:
     """Within the block, every Triton kernel runs the blocks and warps of ``config`` (None: the heuristics' own
     choice, ``_layout.launch_config`` and ``fold.fold_num_warps``)."""
@@ -119,6 +131,7 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
         segment = numel // _SEGMENTS
         params = [torch.empty((), device=device).expand(segment) for _ in range(_SEGMENTS)]
         copy_gbps, _ = copy_bandwidth_gbps(timer, numel * 4)
+        copy_queued_gbps = queued_copy_gbps(numel * 4, flush, reps)
         grads = {name: [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
                  for name, dtype in _GRAD_DTYPES.items()}  # fmt: skip
         out = torch.zeros(numel, dtype=torch.bfloat16, device=device)
@@ -140,8 +153,9 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
                             "acc_mb": size_mb, "backend": backend,
                             "config": "default" if config is None else f"{config[0]}x{config[1]}", "op": op,
                             "grad_dtype": dtype_name if op in _FOLDS else "-", "copy_gbps": copy_gbps,
+                            "copy_queued_gbps": copy_queued_gbps,
                             "idle_ms": idle.median_ms, "idle_fraction": _fraction(moved, idle.median_ms, copy_gbps),
-                            "queued_ms": queued, "queued_fraction": _fraction(moved, queued, copy_gbps),
+                            "queued_ms": queued, "queued_fraction": _fraction(moved, queued, copy_queued_gbps),
                         })  # fmt: skip
                 del buffer
         del grads, out, params
@@ -150,8 +164,8 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
     return rows
 
 
-def _fraction(moved: int, ms: float | None, copy_gbps: float) -> float | None:
-    return None if ms is None else moved / (ms * 1e-3) / 1e9 / copy_gbps
+def _fraction(moved: int, ms: float | None, copy_gbps: float | None) -> float | None:
+    return None if ms is None or copy_gbps is None else moved / (ms * 1e-3) / 1e9 / copy_gbps
 
 
 def _cell(value: float | None, spec: str, width: int) -> str:
@@ -161,7 +175,8 @@ def _cell(value: float | None, spec: str, width: int) -> str:
 def format_table(rows: list[dict]) -> str:
     header = (f"{'MB':>5} {'backend':<7} {'config':<9} {'op':<15} {'grads':<5} {'idle ms':>9} {'of copy':>8} "
               f"{'queued ms':>10} {'of copy':>8}")  # fmt: skip
-    lines = ["kernels alone (queued) and with host work (idle), fraction of the same run's copy_ bandwidth", header]
+    lines = ["kernels alone (queued) and with host work (idle), fraction of the same run's copy_ bandwidth timed the "
+             "same way", header]  # fmt: skip
     for r in rows:
         lines.append(
             f"{r['acc_mb']:>5} {r['backend']:<7} {r['config']:<9} {r['op']:<15} {r['grad_dtype']:<5} "
