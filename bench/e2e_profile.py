@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
-import json
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -37,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
 import provenance  # noqa: E402
+from timing import profiler_activities  # noqa: E402
 
 import gafused  # noqa: E402
 
@@ -89,11 +87,9 @@ def profile_recipe(make_step, build, device: torch.device, warmup: int) -> dict:
     step = make_step(model, optimizer)
     for _ in range(warmup):
         step()
-    activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with _ranges(), torch.profiler.profile(activities=activities) as prof:
+    with _ranges(), torch.profiler.profile(activities=profiler_activities(device)) as prof:
         begin = time.perf_counter()
         step()
         host_ms = (time.perf_counter() - begin) * 1e3
@@ -160,26 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run = e2e.setup(device, "quick" if args.quick else "full")
     recipes = {label: make for label, accumulation, make in run.recipes if accumulation > 1}
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results = {
-        "meta": {
-            "device": name,
-            "date_utc": now.isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            **provenance.facts(device),
-            "warmup": args.warmup,
-        },  # fmt: skip
+        "meta": {"device": label, "warmup": args.warmup},
         "config": {**run.config.__dict__, "model": run.model_class.__name__},
-        "recipes": {label: profile_recipe(make, run.build, device, args.warmup) for label, make in recipes.items()},
+        "recipes": {name: profile_recipe(make, run.build, device, args.warmup) for name, make in recipes.items()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-{now:%Y%m%d-%H%M%S}-e2e-profile"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    report = format_report(results)
-    stem.with_suffix(".txt").write_text(report + "\n")
-    print(report)
-    print(f"wrote {stem.with_suffix('.json')}", file=sys.stderr)
+    provenance.save_report(args.out, device, label, "e2e-profile", results, format_report(results))
     return 0
 
 

@@ -17,8 +17,9 @@
 #   bash bench/gpu_check.sh bench      # the full benchmark (every set and dtype, end to end, kernel sweep)
 #
 # Several phases may be named in one call (bash bench/gpu_check.sh kernels configs); `all` is env, build, tests
-# and sanitize, what fits one 10-minute call (the suite alone took more than 300 s on an H200). Phases after `build` use the extension it built in place (gafused/_C*.so), so a
-# later call in the same tree may skip `build` (a phase that needs the extension and finds none builds it first).
+# and sanitize, what fits one 10-minute call (the suite alone took more than 300 s on an H200). Phases after
+# `build` use the extension it built in place (gafused/_C*.so), so a later call in the same tree may skip `build`
+# (a phase that needs the extension and finds none builds it first).
 # Every phase gets its own time limit (phase_cap below) or what is left of $GPU_CHECK_BUDGET_S, whichever is
 # less, and no phase starts with less than 20 s left, so one call fits a 10-minute session.
 #

@@ -24,8 +24,6 @@ the bytes an op must move (``traffic.op_bytes_per_element``) against ``copy_`` o
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import re
 import statistics
 import sys
@@ -38,14 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import provenance  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
 import traffic  # noqa: E402
-from kernels import op_call  # noqa: E402
+from kernels import GRAD_DTYPES, SEGMENTS, op_call  # noqa: E402
 from timing import Timer, copy_bandwidth_gbps  # noqa: E402
 
 import gafused  # noqa: E402
 
-_SEGMENTS = 8
 _MB = 2**20
-_GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _FOLDS = ("fold", "fold_finish")
 _DEFAULT_CONFIGS = "2048x4,4096x4,4096x8,8192x8,8192x16,16384x16"
 # Cycles the device sleeps before a queued sample: long enough for the host to issue any op here (~2 ms at 1.9 GHz).
@@ -128,12 +124,12 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
     rows = []
     for size_mb in sizes_mb:
         numel = int(size_mb * _MB) // 4
-        segment = numel // _SEGMENTS
-        params = [torch.empty((), device=device).expand(segment) for _ in range(_SEGMENTS)]
+        segment = numel // SEGMENTS
+        params = [torch.empty((), device=device).expand(segment) for _ in range(SEGMENTS)]
         copy_gbps, _ = copy_bandwidth_gbps(timer, numel * 4)
         copy_queued_gbps = queued_copy_gbps(numel * 4, flush, reps)
-        grads = {name: [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
-                 for name, dtype in _GRAD_DTYPES.items()}  # fmt: skip
+        grads = {name: [torch.randn(segment, device=device).to(dtype) for _ in range(SEGMENTS)]
+                 for name, dtype in GRAD_DTYPES.items()}  # fmt: skip
         out = torch.zeros(numel, dtype=torch.bfloat16, device=device)
         plan = [(backend, None) for backend in backends]
         plan += [("triton", config) for config in configs if "triton" in backends]
@@ -142,13 +138,13 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
                 buffer = gafused.FlatGradBuffer(params)  # a new buffer: its block table is built under the config
                 buffer.data.normal_()
                 for op in traffic.OP_NAMES:
-                    for dtype_name in _GRAD_DTYPES if op in _FOLDS else ("bf16",):
+                    for dtype_name in GRAD_DTYPES if op in _FOLDS else ("bf16",):
                         if config is not None and op not in _FOLDS:
                             continue
                         call = op_call(op, buffer, grads[dtype_name], out, backend)
                         idle = timer.measure(call)
                         queued = queued_ms(call, flush, reps)
-                        moved = traffic.op_bytes_per_element(op, _GRAD_DTYPES[dtype_name]) * segment * _SEGMENTS
+                        moved = traffic.op_bytes_per_element(op, GRAD_DTYPES[dtype_name]) * segment * SEGMENTS
                         rows.append({
                             "acc_mb": size_mb, "backend": backend,
                             "config": "default" if config is None else f"{config[0]}x{config[1]}", "op": op,
@@ -204,17 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reps must be >= 3 and every --sizes-mb entry >= 1")
     device = torch.device("cuda")
     rows = run(device, sizes, configs, args.reps)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
-    stem = args.out / f"{name}-{now:%Y%m%d-%H%M%S}-kernel-configs"
-    meta = {"device": torch.cuda.get_device_name(device), "date_utc": now.isoformat(timespec="seconds"),
-            "torch": torch.__version__, **provenance.facts(device), "reps": args.reps}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    table = format_table(rows)
-    stem.with_suffix(".txt").write_text(table + "\n")
-    print(table)
-    print(f"wrote {stem.with_suffix('.json')}", file=sys.stderr)
+    results = {"meta": {"reps": args.reps}, "rows": rows}
+    provenance.save_report(args.out, device, torch.cuda.get_device_name(device), "kernel-configs", results,
+                           format_table(rows))  # fmt: skip
     return 0
 
 

@@ -37,6 +37,8 @@ __all__ = [
     "KERNEL_OPS",
     "FIRST_TOUCH_FAULTS",
     "sweep_sizes",
+    "SEGMENTS",
+    "GRAD_DTYPES",
     "op_call",
     "run_kernel_sweep",
     "first_touch_status",
@@ -44,9 +46,10 @@ __all__ = [
 ]
 
 KERNEL_OPS = traffic.OP_NAMES
-_SEGMENTS = 8
+# The sweep's buffer: one fp32 buffer of this many equal segments, folded with gradients of these dtypes.
+SEGMENTS = 8
 _MB = 2**20
-_GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A row whose median timed call takes this many page faults or more is dropped (module doc).
 FIRST_TOUCH_FAULTS = 64
 
@@ -101,7 +104,7 @@ def run_kernel_sweep(
     """
     backends = [b for b in gafused.available_backends(device) if not (b == "triton" and device.type != "cuda")]
     sizes = sweep_sizes(device.type, mode)
-    per_size = len(backends) * sum(len(_ops_for(name)) for name in _GRAD_DTYPES)
+    per_size = len(backends) * sum(len(_ops_for(name)) for name in GRAD_DTYPES)
     rows: list[dict] = []
     with open_bar(progress, "kernel sweep (ops vs copy_)", total=len(sizes) * per_size) as bar:
         for acc_bytes in sizes:
@@ -110,19 +113,19 @@ def run_kernel_sweep(
                 bar.update(per_size)
                 continue
             numel = acc_bytes // 4
-            segment = numel // _SEGMENTS
+            segment = numel // SEGMENTS
             # Stand-ins for parameters: the buffer needs their shape, dtype and device, not their memory.
-            params = [torch.empty((), device=device).expand(segment) for _ in range(_SEGMENTS)]
+            params = [torch.empty((), device=device).expand(segment) for _ in range(SEGMENTS)]
             copy_gbps, _ = copy_bandwidth_gbps(timer, acc_bytes)
             for backend in backends:
                 buffer = gafused.FlatGradBuffer(params)
                 buffer.data.normal_()
                 out = torch.zeros(buffer.numel, dtype=torch.bfloat16, device=device)  # touched before timing
-                for dtype_name, dtype in _GRAD_DTYPES.items():
-                    grads = [torch.randn(segment, device=device).to(dtype) for _ in range(_SEGMENTS)]
+                for dtype_name, dtype in GRAD_DTYPES.items():
+                    grads = [torch.randn(segment, device=device).to(dtype) for _ in range(SEGMENTS)]
                     for op in _ops_for(dtype_name):
                         timing = timer.measure(op_call(op, buffer, grads, out, backend))
-                        moved = traffic.op_bytes_per_element(op, dtype) * segment * _SEGMENTS
+                        moved = traffic.op_bytes_per_element(op, dtype) * segment * SEGMENTS
                         gbps = moved / (timing.median_ms * 1e-3) / 1e9
                         rows.append({
                             "status": first_touch_status(timing.page_faults), "acc_mb": acc_bytes // _MB,

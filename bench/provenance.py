@@ -7,10 +7,14 @@ core count, and the CUDA, driver and Triton versions. A fact that does not apply
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -78,3 +82,24 @@ def facts(device: torch.device | str) -> dict:
         "cuda_driver_version": _driver_version(device),
         "triton": _package_version("triton", "pytorch-triton"),
     }
+
+
+def slug(text: str) -> str:
+    """``text`` as a file-name part: lower case, runs of anything but letters and digits as one dash."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def save_report(out: Path, device: torch.device, label: str, kind: str, results: dict, report: str) -> Path:
+    """Write ``results`` (a ``meta`` entry with the device, date, torch and ``facts`` is added in front of its own)
+    as ``<label>-<UTC time>-<kind>.json`` in ``out`` and ``report`` beside it as ``.txt``; print the report and
+    ``wrote <json>`` (the line bench/gpu_check.sh reports). Returns the JSON's path."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = {"device": label, "date_utc": now.isoformat(timespec="seconds"), "torch": torch.__version__,
+            **facts(device), **results.get("meta", {})}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{slug(label)}-{now:%Y%m%d-%H%M%S}-{kind}.json"
+    path.write_text(json.dumps({**results, "meta": meta}, indent=1))
+    path.with_suffix(".txt").write_text(report + "\n")
+    print(report)
+    print(f"wrote {path}", file=sys.stderr)
+    return path

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -79,10 +78,6 @@ def _device_name(device: torch.device) -> str:
 
 def _load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def _sanitize(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -440,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel_rows = [] if args.no_kernels else kernels.run_kernel_sweep(device, mode, timer, progress)
 
     suffix = ("" if mode == "default" else f"-{mode}") + ("-kernels-only" if args.kernels_only else "")
-    stem = out / f"{_sanitize(device_label)}-{now:%Y%m%d-%H%M%S}{suffix}"
+    stem = out / f"{provenance.slug(device_label)}-{now:%Y%m%d-%H%M%S}{suffix}"
     meta = {
         "device": device_label,
         "device_type": device.type,

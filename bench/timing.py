@@ -33,7 +33,15 @@ try:
 except ImportError:  # not on Windows: page faults are then not counted
     resource = None
 
-__all__ = ["Timing", "Timer", "copy_bandwidth_gbps", "count_launches", "launch_unit", "page_size"]
+__all__ = [
+    "Timing",
+    "Timer",
+    "copy_bandwidth_gbps",
+    "count_launches",
+    "launch_unit",
+    "profiler_activities",
+    "page_size",
+]
 
 # Written before every sample so no input is still in cache from the previous one.
 _CACHE_FLUSH_BYTES = {"cuda": 256 * 1024 * 1024, "cpu": 64 * 1024 * 1024}
@@ -167,16 +175,22 @@ def copy_bandwidth_gbps(timer: Timer, nbytes: int) -> tuple[float, Timing]:
     return 2 * nbytes / (timing.median_ms * 1e-3) / 1e9, timing
 
 
+def profiler_activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
+    """What torch.profiler records for work on ``device``: host ops, and the device's kernels on a GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
 def count_launches(run: Callable[[], object], prepare: Callable[[], object] | None, device: torch.device) -> int:
     """Kernels launched by one call of ``run`` (GPU), or compute aten ops dispatched (CPU); see the module doc."""
     device = torch.device(device)
     if prepare is not None:
         prepare()
-    activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with _quiet_stderr(), torch.profiler.profile(activities=activities) as profile:
+    with _quiet_stderr(), torch.profiler.profile(activities=profiler_activities(device)) as profile:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
