@@ -150,6 +150,11 @@ class Setup:
     build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
     recipes: list[tuple[str, int, Callable[..., Callable[[], None]]]]
 
+    @property
+    def model_name(self) -> str:
+        """The model as results name it."""
+        return "transformers GPT2LMHeadModel" if self.model_class is HFGPT2 else "TinyGPT"
+
 
 def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0) -> Setup:
     """The model, data and recipes of an end-to-end run on ``device`` in ``mode`` (see ``config_for``)."""
@@ -277,8 +282,12 @@ def run_e2e(
         bar.update()
     bar.close()
     parameters = sum(p.numel() for p in run.model_class(config).parameters())
-    model_name = "transformers GPT2LMHeadModel" if run.model_class is HFGPT2 else "TinyGPT"
     return {
-        "config": {**config.__dict__, "parameters": parameters, "autocast_bf16": run.use_autocast, "model": model_name},
+        "config": {
+            **config.__dict__,
+            "parameters": parameters,
+            "autocast_bf16": run.use_autocast,
+            "model": run.model_name,
+        },
         "rows": rows,
     }

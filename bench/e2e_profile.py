@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results = {
         "meta": {"device": label, "warmup": args.warmup},
-        "config": {**run.config.__dict__, "model": run.model_class.__name__},
+        "config": {**run.config.__dict__, "model": run.model_name},
         "recipes": {name: profile_recipe(make, run.build, device, args.warmup) for name, make in recipes.items()},
     }
     provenance.save_report(args.out, device, label, "e2e-profile", results, format_report(results))
