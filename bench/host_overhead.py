@@ -15,6 +15,9 @@ Rows (``rows()``) measure, per backend that runs on the device:
   release the gradients), over a no-op inner optimizer.
 Two rows of no backend give the part of ``step`` that is Python per parameter, whatever the backend:
 ``read p.grad`` (``[p.grad for p in params]``) and ``release p.grad`` (``p.grad = None`` for each).
+On CPU with ``TRITON_INTERPRET=1`` set, the same three rows of backend ``triton-host`` time the Triton backend
+with its kernel launches skipped: gafused's own host work per call (checks, tables, scalars), without Triton's
+launcher or the interpreter, which a GPU run adds.
 Each row gives the median and 20/80% quantiles in microseconds and the ratio to the baseline's median.
 Timings use ``time.perf_counter`` around each call, the cases' samples interleaved; the gradients are handed
 back to the parameters untimed before every ``step`` sample, as backward would.
@@ -44,6 +47,27 @@ class _NoStep(torch.optim.Optimizer):
 
     def step(self, closure=None):  # noqa: ANN001 - torch.optim.Optimizer's signature
         return None
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _without_triton_launches(run: Callable[[], object]) -> Callable[[], None]:
+    """``run`` with the Triton fold kernel's launches skipped (a middle micro-step launches nothing else)."""
+    from gafused.triton_backend import fold
+
+    def skipped() -> None:
+        kernel, fold._fold_kernel = fold._fold_kernel, _NoLaunch()
+        try:
+            run()
+        finally:
+            fold._fold_kernel = kernel
+
+    return skipped
 
 
 def rows(
@@ -96,8 +120,9 @@ def rows(
     cases.append(("read p.grad", "-", lambda: [param.grad for param in held], None))
     cases.append(("release p.grad", "-", release, give_back))
     for backend in gafused.available_backends(device):
+        label = backend
         if backend == "triton" and device.type == "cpu":
-            continue  # only under TRITON_INTERPRET=1: a logic check, not a speed anyone runs
+            label = "triton-host"  # interpreted kernels are a logic check, not a speed: time the rest only
         params = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(tensors)]
         weight = torch.ones((), device=device)
         # One buffer per case: a backend keeps state per buffer (the foreach backend's views shaped like the last
@@ -119,9 +144,12 @@ def rows(
 
         hand_over()
         opt.step()  # the first micro-step of the window: later ones are middle micro-steps
-        cases.append(("fold_", backend, middle_fold, None))
-        cases.append(("fold_ check=False", backend, functools.partial(middle_fold, check=False), None))
-        cases.append(("step", backend, opt.step, hand_over))
+        runs = [middle_fold, functools.partial(middle_fold, check=False), opt.step]
+        if label != backend:
+            runs = [_without_triton_launches(run) for run in runs]
+        cases.append(("fold_", label, runs[0], None))
+        cases.append(("fold_ check=False", label, runs[1], None))
+        cases.append(("step", label, runs[2], hand_over))
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: list[list[float]] = [[] for _ in cases]

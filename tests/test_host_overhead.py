@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import gafused
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import host_overhead  # noqa: E402 - bench/ is not a package
@@ -21,6 +23,24 @@ def test_rows_cover_the_baseline_and_every_cpu_backend():
     for backend in ("reference", "foreach"):
         assert {("fold_", backend), ("fold_ check=False", backend), ("step", backend)} <= measured
     assert all(row["median_us"] > 0 and row["tensors"] == 5 for row in rows)
+
+
+def test_triton_rows_skip_only_the_launches():
+    """On CPU the triton backend's rows time its host work with the fold kernel's launches skipped; the kernel is put
+    back afterwards, and the skipped launch really is the only difference (the first fold of each case runs it)."""
+    if gafused.ops.backend_unavailable_reason("triton", "cpu") is not None:
+        pytest.skip("the triton backend does not run on CPU here")
+    from gafused.triton_backend import fold
+
+    kernel = fold._fold_kernel
+    rows = host_overhead.rows(tensors=4, numel=3, dtype=torch.bfloat16, reps=3, warmup=1)
+    assert fold._fold_kernel is kernel
+    assert {row["what"] for row in rows if row["backend"] == "triton-host"} == {"fold_", "fold_ check=False", "step"}
+    assert not any(row["backend"] == "triton" for row in rows)
+    folds = []
+    skipped = host_overhead._without_triton_launches(lambda: folds.append(fold._fold_kernel))
+    skipped()
+    assert isinstance(folds[0], host_overhead._NoLaunch) and fold._fold_kernel is kernel
 
 
 def test_rows_reject_bad_sizes():

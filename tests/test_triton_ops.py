@@ -387,6 +387,76 @@ def test_gradient_tables_are_reused_when_addresses_repeat():
     assert _layout.grad_tables(acc, strided).table is not _layout.grad_tables(acc, strided).table
 
 
+def _fold_both(candidate_buffer, reference_buffer, grads) -> None:
+    """Fold ``grads`` into both buffers (triton, reference) and compare: a table that reads the wrong memory shows."""
+    ops.fold_(candidate_buffer, grads, 0.5, first=False, backend="triton")
+    ops.fold_(reference_buffer, grads, 0.5, first=False, backend="reference")
+    _assert_close(candidate_buffer.data, reference_buffer.data, ELEMENTWISE_TOL)
+
+
+@needs_triton
+def test_checked_gradients_are_matched_by_address():
+    """Gradients from check_grads with a known layout are looked up by their addresses alone: the same addresses
+    reuse the table (no new host-to-device copy), moved ones get a new one, and a misaligned one is never cached."""
+    candidate_buffer, reference_buffer = _buffers([(5,), (0,), (3, 4), (6,)], torch.float32)
+    acc = candidate_buffer.data
+    grads = [torch.randn(5, device=DEVICE), None, torch.randn(3, 4, device=DEVICE), torch.randn(6, device=DEVICE)]
+    checked = ops.check_grads(candidate_buffer, grads)
+    assert checked.shapes is not None, "a list accepted as given carries its layout"
+    first = _layout.grad_tables(acc, checked)
+    again = ops.check_grads(candidate_buffer, grads)
+    assert again.shapes is checked.shapes
+    assert _layout.grad_tables(acc, again).table is first.table
+    cached = _layout._cached[acc]
+    assert cached.layout is checked.shapes and cached.present == [0, 2, 3] and len(cached.by_address) == 1
+    _fold_both(candidate_buffer, reference_buffer, grads)
+
+    moved = [grads[0], None, grads[2].clone(), grads[3]]
+    checked_moved = ops.check_grads(candidate_buffer, moved)
+    assert checked_moved.shapes is checked.shapes, "same layout, other addresses"
+    assert _layout.grad_tables(acc, checked_moved).table is not first.table
+    _fold_both(candidate_buffer, reference_buffer, moved)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="a byte-misaligned fp32 tensor faults in CUDA kernels")
+def test_a_misaligned_gradient_of_a_known_layout_is_copied_every_call():
+    """Contiguous, with the layout's dtype and strides, but one byte off its dtype's alignment: the guard of
+    check_grads cannot see that, so the table is built (from an aligned copy) every call and never cached."""
+    candidate_buffer, reference_buffer = _buffers([(5,), (6,)], torch.float32)
+    acc = candidate_buffer.data
+    grads = [torch.randn(5, device=DEVICE), torch.randn(6, device=DEVICE)]
+    checked = ops.check_grads(candidate_buffer, grads)
+    _layout.grad_tables(acc, checked)
+    storage = torch.zeros(4 * 6 + 1, dtype=torch.uint8, device=DEVICE).untyped_storage()
+    odd = torch.empty(0, device=DEVICE).set_(storage[1:], 0, (6,), (1,))
+    assert odd.is_contiguous() and odd.data_ptr() % odd.element_size()
+    odd.copy_(torch.randn(6, device=DEVICE))
+    unaligned = [grads[0], odd]
+    checked_unaligned = ops.check_grads(candidate_buffer, unaligned)
+    assert checked_unaligned.shapes is checked.shapes
+    tables = _layout.grad_tables(acc, checked_unaligned)
+    assert tables.keep_alive and _layout.grad_tables(acc, checked_unaligned).table is not tables.table
+    assert len(_layout._cached[acc].by_address) == 1, "only the aligned list's table is cached"
+    _fold_both(candidate_buffer, reference_buffer, unaligned)
+
+
+@needs_triton
+def test_a_new_dtype_at_the_same_addresses_gets_its_own_table():
+    """The same memory seen as fp32 gradients, then as bf16 ones: element offsets differ (16 vs 32 between the two
+    gradients), so a table keyed by address alone across layouts would read the wrong elements."""
+    candidate_buffer, reference_buffer = _buffers([(8,), (8,)], torch.float32)
+    storage = torch.randn(32, device=DEVICE)
+    as_fp32 = [storage[:8], storage[16:24]]
+    raw = storage.view(torch.bfloat16)  # 64 bf16 elements over the same bytes
+    as_bf16 = [raw[:8], raw[32:40]]
+    assert [g.data_ptr() for g in as_fp32] == [g.data_ptr() for g in as_bf16]
+    for grads in (as_fp32, as_bf16, as_fp32):
+        raw[:8].copy_(torch.randn(8, device=DEVICE).to(torch.bfloat16))  # finite bf16 and fp32 values either way
+        raw[32:40].copy_(torch.randn(8, device=DEVICE).to(torch.bfloat16))
+        _fold_both(candidate_buffer, reference_buffer, grads)
+
+
 @needs_triton
 def test_tables_of_many_buckets_are_reused_every_micro_batch():
     """A model cut into more buckets than one table cache holds folds them in turn every micro-batch: each bucket

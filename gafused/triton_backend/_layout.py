@@ -18,6 +18,9 @@ kernel, so the same kernel code runs on a GPU and under TRITON_INTERPRET=1 on CP
 interpreter computes addresses over real host memory). The caching allocator hands a training loop the
 same gradient addresses micro-batch after micro-batch, so the device copy of a table is kept for the
 last few address patterns (per stream) and reused: a repeated pattern costs no host-to-device copy at all.
+Recognizing the pattern is the per-gradient host cost of a launch, so gradients that come from
+``gafused.ops.check_grads`` with a known layout (``CheckedGrads.shapes``: dtypes, strides and missing entries
+as in an earlier call) are looked up by their addresses alone; any other list by address and dtype.
 
 Both caches are kept per accumulation tensor (a bucket's ``data``), weakly keyed on it: a model cut into many
 buckets folds them one after another every micro-batch, and one cache shared by all of them would evict each
@@ -204,14 +207,30 @@ def _stream_key(acc: torch.Tensor) -> int | None:
     return torch.cuda.current_stream(acc.device).stream_id if acc.is_cuda else None
 
 
+# A cached gradient table: (index into grads of each launch's base, -1 for acc; device table; alignments).
+_GradEntry = tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]
+
+
 @dataclass
 class _Cached:
-    """The tables cached for one accumulation tensor (see the module docstring)."""
+    """The tables cached for one accumulation tensor (see the module docstring).
+
+    Attributes:
+        blocks: block tables by (stream, acc's numel, offsets, numels).
+        grads: gradient tables by (stream, then per gradient: None, or its address and dtype).
+        layout: the ``CheckedGrads.shapes`` list of the gradients behind ``by_address`` (held, so never reused
+            for another layout), or None.
+        present: the indices of the non-empty gradients of ``layout``.
+        by_address: the same entries as ``grads`` for gradients of ``layout``, by (stream, addresses of the
+            ``present`` gradients): with dtypes, strides and missing entries fixed by the layout, the addresses
+            alone determine the table.
+    """
 
     blocks: OrderedDict[tuple, BlockTable] = field(default_factory=OrderedDict)
-    grads: OrderedDict[tuple, tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]] = field(
-        default_factory=OrderedDict
-    )
+    grads: OrderedDict[tuple, _GradEntry] = field(default_factory=OrderedDict)
+    layout: list | None = None
+    present: list[int] = field(default_factory=list)
+    by_address: OrderedDict[tuple, _GradEntry] = field(default_factory=OrderedDict)
 
 
 _cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -287,10 +306,40 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
     gradient there is one launch whose base is ``acc`` itself, never read through. Gradients must be on
     ``acc``'s device with the segments' element counts (``gafused.ops.check_grads`` makes sure of both).
     """
+    cached = _cached_for(acc)
+    layout = getattr(grads, "shapes", None)  # set by gafused.ops.check_grads: one list object per layout
+    address_key = None
+    if layout is not None:
+        if cached.layout is not layout:
+            cached.layout = layout
+            cached.present = [index for index, shape in enumerate(layout) if shape is not None and shape.numel()]
+            cached.by_address.clear()
+        address_key = (_stream_key(acc), *[grads[index].data_ptr() for index in cached.present])
+        entry = _recall(cached.by_address, address_key)
+        if entry is not None:  # cached only when nothing was copied: the bases are the gradients themselves
+            return _tables(acc, grads, entry, [])
+    tables, entry = _grad_tables(acc, grads, cached.grads)
+    if address_key is not None and entry is not None:
+        _remember(cached.by_address, address_key, entry, GRAD_TABLE_CACHE_SIZE)
+    return tables
+
+
+def _tables(
+    acc: torch.Tensor, flat: list[torch.Tensor | None], entry: _GradEntry, keep_alive: list[torch.Tensor]
+) -> GradTables:
+    base_indices, table, aligns = entry
+    bases = [acc if index < 0 else flat[index] for index in base_indices]
+    return GradTables(bases, table, list(aligns), keep_alive)
+
+
+def _grad_tables(
+    acc: torch.Tensor, grads: list[torch.Tensor | None], cache: OrderedDict[tuple, _GradEntry]
+) -> tuple[GradTables, _GradEntry | None]:
+    """``grad_tables`` by address and dtype; also returns the entry it cached (None when it made copies)."""
     keep_alive: list[torch.Tensor] = []
     flat: list[torch.Tensor | None] = []
-    # Address pattern -> (index into grads of each launch's base, device table, alignments). The key holds only
-    # integers and dtypes, never tensors, so a cached entry keeps no gradient alive.
+    # Address pattern -> entry. The key holds only integers and dtypes, never tensors, so a cached entry keeps no
+    # gradient alive.
     key: list[object] = [_stream_key(acc)]
     for grad in grads:
         if grad is None or grad.numel() == 0:
@@ -305,12 +354,9 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
         key.append(grad.data_ptr())
         key.append(grad.dtype)
     cache_key = tuple(key)
-    cache = _cached_for(acc).grads
-    cached = _recall(cache, cache_key)
-    if cached is not None:
-        base_indices, table, aligns = cached
-        bases = [acc if index < 0 else flat[index] for index in base_indices]
-        return GradTables(bases, table, list(aligns), keep_alive)
+    entry = _recall(cache, cache_key)
+    if entry is not None:
+        return _tables(acc, flat, entry, keep_alive), entry
 
     groups: dict[torch.dtype, list[int]] = {}
     for index, grad in enumerate(flat):
@@ -337,8 +383,8 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
             rows.append(row)
             align_list.append(alignment([row[i] for i in members]))
         base_indices, aligns = tuple(indices), tuple(align_list)
-    table = _to_device(rows, acc.device)
-    if not keep_alive:  # copies get new addresses every call: nothing to reuse
-        _remember(cache, cache_key, (base_indices, table, aligns), GRAD_TABLE_CACHE_SIZE)
-    bases = [acc if index < 0 else flat[index] for index in base_indices]
-    return GradTables(bases, table, list(aligns), keep_alive)
+    entry = (base_indices, _to_device(rows, acc.device), aligns)
+    if keep_alive:  # copies get new addresses every call: nothing to reuse
+        return _tables(acc, flat, entry, keep_alive), None
+    _remember(cache, cache_key, entry, GRAD_TABLE_CACHE_SIZE)
+    return _tables(acc, flat, entry, keep_alive), entry
