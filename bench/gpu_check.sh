@@ -14,6 +14,7 @@
 #   bash bench/gpu_check.sh windows    # whole windows (GPT-2, LLaMA-7B shapes, bf16 grads, N = 8), end to end, memory
 #   bash bench/gpu_check.sh configs    # kernels alone vs with host work; the Triton folds' block sizes and warps
 #   bash bench/gpu_check.sh profile    # one end-to-end window of each accumulation recipe under torch.profiler
+#   bash bench/gpu_check.sh host       # host work of a middle micro-step, GPT-2's 148 gradients, every backend
 #   bash bench/gpu_check.sh bench      # the full benchmark (every set and dtype, end to end, kernel sweep)
 #
 # Several phases may be named in one call (bash bench/gpu_check.sh kernels configs); `all` is env, build, tests
@@ -41,7 +42,7 @@ summary=()
 
 # Time limit of each phase, seconds. The suite took more than 300 s on an H200 with 8 workers: it gets most.
 declare -A phase_cap=([env]=30 [build]=240 [tests]=480 [sanitize]=200 [kernels]=150 [windows]=400 [configs]=150
-  [profile]=150 [bench]=540)
+  [profile]=150 [host]=90 [bench]=540)
 
 log() { echo "$out/gpu-$1.log"; }
 
@@ -163,6 +164,14 @@ phase_profile() {
   return "${PIPESTATUS[0]}"
 }
 
+phase_host() {
+  # Host work per middle micro-step at GPT-2's gradient count (bf16, small tensors: the kernels are negligible):
+  # gafused's Python plus Triton's launcher, against one torch._foreach_add_.
+  "$python" bench/host_overhead.py --device cuda --tensors 148 --numel 4096 --dtype bf16 --reps 500 2>&1 |
+    tee "$(log host)" | tail -20
+  return "${PIPESTATUS[0]}"
+}
+
 phase_bench() {
   # shellcheck disable=SC2046
   "$python" bench/run.py --full --out "$out" $(plots_flag) 2>&1 | tee "$(log bench)" | tail -80
@@ -179,6 +188,7 @@ detail_of() {
     build) grep -m 1 "^backends:" "$file" ;;
     tests) grep -E "[0-9]+ (passed|failed|errors?|skipped)" "$file" | tail -1 | tr -d '=' | sed 's/^ *//' ;;
     sanitize) grep -E "ERROR SUMMARY|RACECHECK SUMMARY|not found" "$file" | sed -E 's/^=+ *//' | paste -sd ';' ;;
+    host) grep -E "^step " "$file" | awk '{print $2 " " $NF "x"}' | paste -sd ';' ;;
     kernels | bench | windows | configs | profile) grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;
   esac
 }
@@ -211,16 +221,17 @@ run_phase() {  # run_phase NAME LIMIT_S (0: no limit)
 # Phases run under `timeout` in a child bash: it needs the functions and settings.
 export out python
 export -f log find_tool have_matplotlib plots_flag phase_env phase_build phase_tests phase_sanitize phase_kernels \
-  phase_windows phase_configs phase_profile phase_bench
+  phase_windows phase_configs phase_profile phase_host phase_bench
 
 phases=("$@")
 [ "${#phases[@]}" -gt 0 ] || phases=(all)
 [ "${phases[*]}" != all ] || phases=(env build tests sanitize)
 for phase in "${phases[@]}"; do
   case "$phase" in
-    env | build | tests | sanitize | kernels | windows | configs | profile | bench) ;;
+    env | build | tests | sanitize | kernels | windows | configs | profile | host | bench) ;;
     *)
-      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels, windows, configs, profile or bench" >&2
+      echo "unknown phase '$phase': all, env, build, tests, sanitize, kernels, windows, configs, profile, host," \
+        "bench" >&2
       exit 2
       ;;
   esac
@@ -230,7 +241,7 @@ done
 if [[ " ${phases[*]} " != *" build "* ]] && ! compgen -G "gafused/_C*.so" >/dev/null; then
   for i in "${!phases[@]}"; do
     case "${phases[$i]}" in
-      tests | sanitize | kernels | windows | configs | profile | bench)
+      tests | sanitize | kernels | windows | configs | profile | host | bench)
         phases=("${phases[@]:0:$i}" build "${phases[@]:$i}")
         break
         ;;
