@@ -407,8 +407,8 @@ def test_checked_gradients_are_matched_by_address():
     again = ops.check_grads(candidate_buffer, grads)
     assert again.shapes is checked.shapes
     assert _layout.grad_tables(acc, again).table is first.table
-    cached = _layout._cached[acc]
-    assert cached.layout is checked.shapes and cached.present == [0, 2, 3] and len(cached.by_address) == 1
+    known = _layout._cached[acc].by_address
+    assert known.layout is checked.shapes and known.present == [0, 2, 3] and len(known.entries) == 1
     _fold_both(candidate_buffer, reference_buffer, grads)
 
     moved = [grads[0], None, grads[2].clone(), grads[3]]
@@ -437,8 +437,66 @@ def test_a_misaligned_gradient_of_a_known_layout_is_copied_every_call():
     assert checked_unaligned.shapes is checked.shapes
     tables = _layout.grad_tables(acc, checked_unaligned)
     assert tables.keep_alive and _layout.grad_tables(acc, checked_unaligned).table is not tables.table
-    assert len(_layout._cached[acc].by_address) == 1, "only the aligned list's table is cached"
+    assert len(_layout._cached[acc].by_address.entries) == 1, "only the aligned list's table is cached"
     _fold_both(candidate_buffer, reference_buffer, unaligned)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="a byte-misaligned fp32 tensor faults in CUDA kernels")
+def test_a_copy_landing_on_a_cached_address_is_not_filed_under_the_original():
+    """A misaligned gradient's aligned copy may land where an earlier gradient lived, whose table is cached by
+    (address, dtype): that table fits the copy, not the original, so it must not be filed under the original's
+    address, or the next call would read where the (freed) copy was."""
+    n = 1000
+    candidate_buffer, reference_buffer = _buffers([(n,), (n,)], torch.float32)
+    acc = candidate_buffer.data
+    kept = torch.randn(n, device=DEVICE)
+    storage = torch.zeros(4 * n + 1, dtype=torch.uint8, device=DEVICE).untyped_storage()
+    odd = torch.empty(0, device=DEVICE).set_(storage[1:], 0, (n,), (1,))
+    odd.copy_(torch.randn(n, device=DEVICE))
+    gone = torch.randn(n, device=DEVICE)
+    address = gone.data_ptr()
+    _layout.grad_tables(acc, ops.check_grads(candidate_buffer, [kept, gone]))  # cached for (kept, address)
+    del gone  # the next allocation of its size takes its address: the copy of odd below
+    tables = _layout.grad_tables(acc, ops.check_grads(candidate_buffer, [kept, odd]))
+    assert tables.keep_alive[0].data_ptr() == address, "the allocator put the copy elsewhere: no collision to test"
+    del tables
+    odd.copy_(torch.randn(n, device=DEVICE))
+    for _ in range(2):
+        _fold_both(candidate_buffer, reference_buffer, [kept, odd])
+
+
+@needs_triton
+def test_a_table_built_while_another_thread_changed_the_layout_is_not_filed_under_it(monkeypatch):
+    """Thread A (fp32 gradients) builds a table; meanwhile thread B folds bf16 gradients at the same addresses (a
+    new layout). A's table must not end up among B's layout's tables, where the addresses alone would find it."""
+    import threading
+
+    candidate_buffer, reference_buffer = _buffers([(8,), (8,)], torch.float32)
+    acc = candidate_buffer.data
+    storage = torch.randn(32, device=DEVICE)
+    raw = storage.view(torch.bfloat16)
+    raw.copy_(torch.randn(64, device=DEVICE).to(torch.bfloat16))  # finite as bf16 and as fp32
+    as_fp32, as_bf16 = [storage[:8], storage[16:24]], [raw[:8], raw[32:40]]
+    checked_fp32 = ops.check_grads(candidate_buffer, as_fp32)
+    checked_bf16 = ops.check_grads(candidate_buffer, as_bf16)  # the layout check_grads matches from now on
+    build, building, go_on = _layout._grad_tables, threading.Event(), threading.Event()
+
+    def paused(*args):
+        if threading.current_thread().name == "A":
+            building.set()
+            go_on.wait(timeout=30)
+        return build(*args)
+
+    monkeypatch.setattr(_layout, "_grad_tables", paused)
+    thread = threading.Thread(target=_layout.grad_tables, args=(acc, checked_fp32), name="A")
+    thread.start()
+    assert building.wait(timeout=30)
+    _layout.grad_tables(acc, checked_bf16)
+    go_on.set()
+    thread.join(timeout=30)
+    monkeypatch.setattr(_layout, "_grad_tables", build)
+    _fold_both(candidate_buffer, reference_buffer, as_bf16)
 
 
 @needs_triton

@@ -211,6 +211,18 @@ def _stream_key(acc: torch.Tensor) -> int | None:
 _GradEntry = tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]
 
 
+@dataclass(frozen=True)
+class _ByAddress:
+    """Gradient tables of one known layout (a ``CheckedGrads.shapes`` list, held here so that it is never reused
+    for another layout), by (stream, addresses of the ``present`` gradients): with dtypes, strides and missing
+    entries fixed by the layout, the addresses alone determine the table. Replaced whole, never changed in place,
+    so a thread that looked it up keeps a consistent (layout, entries) pair."""
+
+    layout: list
+    present: list[int]  # the indices of the layout's non-empty gradients
+    entries: OrderedDict[tuple, _GradEntry] = field(default_factory=OrderedDict)
+
+
 @dataclass
 class _Cached:
     """The tables cached for one accumulation tensor (see the module docstring).
@@ -218,19 +230,12 @@ class _Cached:
     Attributes:
         blocks: block tables by (stream, acc's numel, offsets, numels).
         grads: gradient tables by (stream, then per gradient: None, or its address and dtype).
-        layout: the ``CheckedGrads.shapes`` list of the gradients behind ``by_address`` (held, so never reused
-            for another layout), or None.
-        present: the indices of the non-empty gradients of ``layout``.
-        by_address: the same entries as ``grads`` for gradients of ``layout``, by (stream, addresses of the
-            ``present`` gradients): with dtypes, strides and missing entries fixed by the layout, the addresses
-            alone determine the table.
+        by_address: the same entries, for gradients of the last known layout, by address alone; or None.
     """
 
     blocks: OrderedDict[tuple, BlockTable] = field(default_factory=OrderedDict)
     grads: OrderedDict[tuple, _GradEntry] = field(default_factory=OrderedDict)
-    layout: list | None = None
-    present: list[int] = field(default_factory=list)
-    by_address: OrderedDict[tuple, _GradEntry] = field(default_factory=OrderedDict)
+    by_address: _ByAddress | None = None
 
 
 _cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -308,19 +313,19 @@ def grad_tables(acc: torch.Tensor, grads: list[torch.Tensor | None]) -> GradTabl
     """
     cached = _cached_for(acc)
     layout = getattr(grads, "shapes", None)  # set by gafused.ops.check_grads: one list object per layout
-    address_key = None
+    known = None
     if layout is not None:
-        if cached.layout is not layout:
-            cached.layout = layout
-            cached.present = [index for index, shape in enumerate(layout) if shape is not None and shape.numel()]
-            cached.by_address.clear()
-        address_key = (_stream_key(acc), *[grads[index].data_ptr() for index in cached.present])
-        entry = _recall(cached.by_address, address_key)
+        known = cached.by_address
+        if known is None or known.layout is not layout:
+            present = [index for index, shape in enumerate(layout) if shape is not None and shape.numel()]
+            known = cached.by_address = _ByAddress(layout, present)
+        address_key = (_stream_key(acc), *[grads[index].data_ptr() for index in known.present])
+        entry = _recall(known.entries, address_key)
         if entry is not None:  # cached only when nothing was copied: the bases are the gradients themselves
             return _tables(acc, grads, entry, [])
     tables, entry = _grad_tables(acc, grads, cached.grads)
-    if address_key is not None and entry is not None:
-        _remember(cached.by_address, address_key, entry, GRAD_TABLE_CACHE_SIZE)
+    if known is not None and entry is not None:
+        _remember(known.entries, address_key, entry, GRAD_TABLE_CACHE_SIZE)
     return tables
 
 
@@ -335,7 +340,9 @@ def _tables(
 def _grad_tables(
     acc: torch.Tensor, grads: list[torch.Tensor | None], cache: OrderedDict[tuple, _GradEntry]
 ) -> tuple[GradTables, _GradEntry | None]:
-    """``grad_tables`` by address and dtype; also returns the entry it cached (None when it made copies)."""
+    """``grad_tables`` by address and dtype; also returns the entry for the given gradients' own addresses, or
+    None when it made copies (their addresses are the copies', which may even hit an entry cached for earlier
+    gradients that lived there)."""
     keep_alive: list[torch.Tensor] = []
     flat: list[torch.Tensor | None] = []
     # Address pattern -> entry. The key holds only integers and dtypes, never tensors, so a cached entry keeps no
@@ -356,7 +363,7 @@ def _grad_tables(
     cache_key = tuple(key)
     entry = _recall(cache, cache_key)
     if entry is not None:
-        return _tables(acc, flat, entry, keep_alive), entry
+        return _tables(acc, flat, entry, keep_alive), None if keep_alive else entry
 
     groups: dict[torch.dtype, list[int]] = {}
     for index, grad in enumerate(flat):
