@@ -9,10 +9,14 @@ checkpoint), are caught by the accumulator's pass over the parameters at the end
 
 How many gradients a bucket waits for is learned from the backward before (as DDP's static graph does): a
 parameter frozen after the accumulator was built, or one the forward does not use, would otherwise keep its
-bucket waiting to the end of backward, with every gradient of the bucket alive. A bucket whose parameters are
-used in some backward calls and not in others (more gradients land than the last call gave) waits for all its
-hooked parameters from then on; the one time it is handed over early, the gradients that land after it are
-folded by the end-of-backward pass, exactly, at the cost of their memory.
+bucket waiting to the end of backward, with every gradient of the bucket alive. When more gradients land than
+the last call gave, the bucket was handed over early: the gradients that land after it are folded by the
+end-of-backward pass, exactly, at the cost of their memory (and, on a window's last micro-batch across ranks,
+of one more reduction and host sync at ``step()``). Such a bucket then waits for all its hooked parameters
+until its count has stayed the same for ``RELEARN_CALLS`` calls in a row, and from then on for that count;
+each further early hand-over doubles the calls it needs, so a bucket whose use keeps changing (routed experts,
+a loss term every few micro-batches) soon waits for all its parameters for good, while one change (a single
+micro-batch that used more) costs one early hand-over and a few calls of waiting.
 
 The hooks hold the accumulator weakly and do nothing outside ``GradAccumulator.backward``.
 """
@@ -26,7 +30,11 @@ import torch
 
 from gafused.buffer import FlatGradBuffer
 
-__all__ = ["BucketHooks"]
+__all__ = ["BucketHooks", "RELEARN_CALLS"]
+
+# Calls in a row with one gradient count after which a bucket that was handed over early waits for that count again
+# (doubled each time the bucket is handed over early again).
+RELEARN_CALLS = 2
 
 
 class BucketHooks:
@@ -50,7 +58,10 @@ class BucketHooks:
         self._expected: list[list[int]] = []  # per bucket: the gradients this call waits for
         self._remaining: list[list[int]] = []
         self._landed: list[list[int]] = []  # per bucket: distinct parameters whose gradient landed in this call
-        self._variable: list[list[bool]] = []  # per bucket: its parameters' use has changed between calls
+        self._variable: list[list[bool]] = []  # per bucket: waits for all its parameters until its count is stable
+        self._stable: list[list[int]] = []  # per bucket: calls in a row that gave its last count (variable buckets)
+        self._last: list[list[int]] = []  # per bucket: the count of its last call that gave any
+        self._patience: list[list[int]] = []  # per bucket: the stable calls a variable bucket needs to relearn
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if params is None:
             params = [buffer.params for buffer in buffers]
@@ -67,6 +78,9 @@ class BucketHooks:
             self._remaining.append(list(full))
             self._landed.append([0] * len(full))
             self._variable.append([False] * len(full))
+            self._stable.append([0] * len(full))
+            self._last.append([0] * len(full))
+            self._patience.append([0] * len(full))
 
     def _make_hook(self, owner_ref: weakref.ref, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
         last_call = -1
@@ -97,21 +111,30 @@ class BucketHooks:
 
     def stop(self, learn: bool = True) -> None:
         """End a backward call: learn how many gradients each bucket waits for in the next one (not from a call
-        that failed midway)."""
+        that failed midway); see the module docstring."""
         if not self.active:
             return
         self.active = False
         if not learn:
             return
-        for full, expected, landed, variable in zip(
-            self._full, self._expected, self._landed, self._variable, strict=True
-        ):
+        for buckets in zip(
+            self._full, self._expected, self._landed, self._variable, self._stable, self._last, self._patience,
+            strict=True,
+        ):  # fmt: skip
+            full, expected, landed, variable, stable, last, patience = buckets
             for b, count in enumerate(landed):
-                if variable[b] or count == 0:
+                if count == 0:
                     continue  # no gradient at all says nothing (another loss of the micro-batch, say)
-                if count > expected[b]:  # more than the last call gave: handed over early once, never again
+                stable[b] = stable[b] + 1 if count == last[b] else 1
+                last[b] = count
+                if variable[b]:
+                    if stable[b] >= patience[b]:  # the same count long enough: wait for it again
+                        variable[b] = False
+                        expected[b] = count
+                elif count > expected[b]:  # more than the last call gave: this call handed the bucket over early
                     variable[b] = True
                     expected[b] = full[b]
+                    patience[b] = max(RELEARN_CALLS, 2 * patience[b])
                 else:
                     expected[b] = count
 

@@ -11,6 +11,8 @@ import torch
 import torch.utils.checkpoint
 
 from gafused import GradAccumulator, ops
+from gafused.buffer import FlatGradBuffer
+from gafused.ingest import RELEARN_CALLS, BucketHooks
 
 WIDTH = 6
 
@@ -105,6 +107,73 @@ def test_a_parameter_frozen_later_does_not_hold_its_bucket_to_the_end_of_backwar
     assert seen == [True, True, False, True, True, True, True, True, True]
     assert opt.stepped
     _assert_same(model, reference)
+
+
+def test_a_bucket_handed_over_early_waits_for_all_only_until_its_use_is_stable_again(backend):
+    """Frozen, unfrozen (one early hand-over), frozen again: once the bucket's count has been the same for
+    RELEARN_CALLS calls it waits for that count again, so the second freeze holds it for one backward only, like
+    the first. Exact against the step-time loop throughout."""
+    assert RELEARN_CALLS == 2, "the schedule below is laid out for 2"
+    model, reference = _model(), _model()
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
+    )
+    ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].bias.grad is None))
+    for index, x in enumerate(_batches(12, seed=5)):
+        frozen = index in (2, 3) or index >= 7
+        model[6].weight.requires_grad_(not frozen)
+        reference[6].weight.requires_grad_(not frozen)
+        opt.backward(_loss(model, x), weight=float(x.shape[0]))
+        opt.step()
+        _loss(reference, x).backward()
+        ref_opt.step(weight=float(x.shape[0]))
+        ref_opt.zero_grad()
+    # Held to the end of backward only on the first call of each freeze (2 and 7); 4 hands over early, 5 and 6
+    # wait for both gradients (the count is stable from 5 on), and from 8 on the bucket waits for one gradient.
+    assert seen == [True, True, False, True, True, True, True, False, True, True, True, True]
+    assert opt.stepped
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize(
+    ("uses", "outcomes"),
+    [
+        # One micro-batch that used more: one early hand-over, then waiting for both until the count (one
+        # gradient) has been stable for two calls, then folding when the one gradient lands.
+        ([False, True, False, False, False, False], ["held", "early", "held", "held", "ok", "ok"]),
+        # Use that keeps changing: the second early hand-over doubles the calls needed (4), which alternation
+        # never gives: from then on the bucket waits for both, held to the end whenever one is unused.
+        (
+            [True, False, True, True, False, False, True, False, True, False, True, False],
+            ["ok", "held", "early", "ok", "held", "ok", "early", "held", "ok", "held", "ok", "held"],
+        ),
+    ],
+    ids=["grew-once", "alternating"],
+)
+def test_bucket_hooks_relearn_with_doubling_patience(uses, outcomes):
+    """BucketHooks alone, one bucket of two parameters, the second used or not per backward call: "ok" when the
+    bucket is handed over as its last used gradient lands, "early" before that, "held" when it is not handed over
+    during backward (the end-of-backward pass folds it)."""
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    fired = []
+
+    class Owner:
+        def on_bucket_ready(self, group_index, bucket_index):
+            fired.append(first.grad is None or (use and second.grad is None))
+
+    owner = Owner()
+    hooks = BucketHooks([FlatGradBuffer([first, second])], owner)
+    got = []
+    for use in uses:
+        fired.clear()
+        first.grad = second.grad = None
+        hooks.start()
+        (first.sum() + (second.sum() if use else 0)).backward()
+        hooks.stop()
+        got.append("held" if not fired else "early" if fired[0] else "ok")
+    assert got == outcomes
 
 
 def _counting(function, log, name):
