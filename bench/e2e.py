@@ -13,7 +13,10 @@ transformers' ``GPT2LMHeadModel`` from its default config (random init) when tra
 ``TinyGPT`` with the same shapes (the results name which). Each recipe gets a fresh model from the same seed and
 a fresh AdamW. Times are per optimizer step; peak memory is ``torch.cuda.max_memory_allocated`` over one step on
 GPU and is not measured on CPU (the process's peak RSS never goes down, so a delta over it would not be a
-per-recipe number).
+per-recipe number). That figure counts the caching allocator's blocks (requests rounded up to 512 bytes, and a
+cached block handed out whole when the rest would be small), so two recipes' peaks can differ by a few MiB with
+the same tensors alive; the peak of the bytes requested (``requested_bytes.all.peak`` of
+``torch.cuda.memory_stats``) is kept beside it, free of that rounding.
 """
 
 from __future__ import annotations
@@ -156,8 +159,9 @@ class Setup:
         return "transformers GPT2LMHeadModel" if self.model_class is HFGPT2 else "TinyGPT"
 
 
-def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0) -> Setup:
-    """The model, data and recipes of an end-to-end run on ``device`` in ``mode`` (see ``config_for``)."""
+def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0, autocast: bool | None = None) -> Setup:
+    """The model, data and recipes of an end-to-end run on ``device`` in ``mode`` (see ``config_for``); bf16
+    autocast with fp32 weights when ``autocast`` says so (default: on a GPU only)."""
     device = torch.device(device)
     config = config_for(device, mode)
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -166,7 +170,7 @@ def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0) -> Setup:
     micro = config.micro_batch
     micro_batches = [(inputs[i : i + micro], targets[i : i + micro]) for i in range(0, config.batch, micro)]
     # GPU: fp32 master weights under bf16 autocast, the usual mixed-precision recipe. CPU: plain fp32.
-    use_autocast = device.type == "cuda"
+    use_autocast = device.type == "cuda" if autocast is None else autocast
 
     def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
@@ -255,13 +259,15 @@ def run_e2e(
         model, optimizer = run.build()
         step = make_step(model, optimizer)
         timing = timer.measure(step)
-        peak_mb = None
+        peak_mb = requested_mb = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             step()
             torch.cuda.synchronize(device)
             peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+            requested = torch.cuda.memory_stats(device).get("requested_bytes.all.peak")
+            requested_mb = None if requested is None else requested / 2**20
         rows.append(
             {
                 "recipe": label,
@@ -273,6 +279,7 @@ def run_e2e(
                 "reps": timing.reps,
                 "samples_per_s": config.batch / (timing.median_ms * 1e-3),
                 "peak_memory_mb": peak_mb,
+                "peak_requested_mb": requested_mb,
             }
         )
         del model, optimizer, step

@@ -317,13 +317,16 @@ def format_e2e_table(result: dict, device_label: str) -> str:
     lines = [
         f"end-to-end on {device_label}: GPT ({c['parameters']:,} parameters, hidden {c['hidden']}, {c['layers']} "
         f"layers, seq {c['seq_len']}, bf16 autocast {c['autocast_bf16']}), AdamW, clip 1.0",
-        f"{'recipe':<42} {'ms/step':>9} {'[q20, q80]':>19} {'samples/s':>10} {'peak MiB':>10}",
+        f"{'recipe':<42} {'ms/step':>9} {'[q20, q80]':>19} {'samples/s':>10} {'peak MiB':>10} {'requested':>10}",
     ]
     for r in result["rows"]:
         peak = "not measured (CPU)" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:.0f}"
+        requested = r.get("peak_requested_mb")  # bytes asked for, without the allocator's rounding (newer results)
+        requested = "" if requested is None else f"{requested:.3f}"
         quantiles = f"[{r['q20_ms']:.2f}, {r['q80_ms']:.2f}]"
         lines.append(
-            f"{r['recipe']:<42} {r['ms_per_step']:>9.2f} {quantiles:>19} {r['samples_per_s']:>10.1f} {peak:>10}"
+            f"{r['recipe']:<42} {r['ms_per_step']:>9.2f} {quantiles:>19} {r['samples_per_s']:>10.1f} {peak:>10} "
+            f"{requested:>10}"
         )
     return "\n".join(lines)
 

@@ -241,6 +241,8 @@ def _e2e(results: dict) -> list[str]:
     ]
     for row in result["rows"]:
         peak = "" if row["peak_memory_mb"] is None else f"   peak {row['peak_memory_mb']:.0f} MiB"
+        if row.get("peak_requested_mb") is not None:
+            peak += f" ({row['peak_requested_mb']:.3f} MiB requested)"
         lines.append(f"  {row['recipe']:<48} {row['ms_per_step']:>8.1f} ms per optimizer step{peak}")
     return lines
 
@@ -331,12 +333,18 @@ def readme_tables(results: dict) -> str:
     e2e = results.get("e2e")
     if e2e:
         peaks = any(row["peak_memory_mb"] is not None for row in e2e["rows"])  # measured on a GPU only
+        requested = any(row.get("peak_requested_mb") is not None for row in e2e["rows"])  # newer results only
         e2e_lines = [
-            "| recipe | ms per optimizer step | gafused backend |" + (" peak MiB |" if peaks else ""),
-            "| --- | --- | --- |" + (" --- |" if peaks else ""),
+            "| recipe | ms per optimizer step | gafused backend |"
+            + (" peak MiB |" if peaks else "")
+            + (" peak MiB requested |" if requested else ""),
+            "| --- | --- | --- |" + (" --- |" if peaks else "") + (" --- |" if requested else ""),
         ]
         for row in e2e["rows"]:
             peak = f" {row['peak_memory_mb']:.0f} |" if peaks else ""
+            if requested:
+                value = row.get("peak_requested_mb")
+                peak += " - |" if value is None else f" {value:.3f} |"
             e2e_lines.append(f"| {row['recipe']} | {row['ms_per_step']:.1f} | {row.get('backend') or '-'} |{peak}")
         tables.append("\n".join(e2e_lines))
     if results["meta"]["device_type"] != "cpu" and results.get("kernels"):

@@ -548,6 +548,29 @@ def test_kernel_configs_refuses_a_malformed_config(text: str) -> None:
     assert kernel_configs.parse_configs("4096x8, 8192x16") == [(4096, 8), (8192, 16)]
 
 
+def test_end_to_end_tables_show_the_requested_peak_where_it_was_measured() -> None:
+    """Results with ``peak_requested_mb`` (the allocator's requested-bytes peak, free of block rounding) show it
+    beside the block peak; older results, which lack it, print as before."""
+    import run
+    import summary
+
+    rows = [
+        {"recipe": "plain", "ms_per_step": 2.0, "q20_ms": 1.9, "q80_ms": 2.1, "samples_per_s": 8.0,
+         "backend": None, "peak_memory_mb": 3905.0, "peak_requested_mb": 3870.123456},
+        {"recipe": "gafused", "ms_per_step": 1.5, "q20_ms": 1.4, "q80_ms": 1.6, "samples_per_s": 9.0,
+         "backend": "cuda", "peak_memory_mb": 3909.0, "peak_requested_mb": 3870.125},
+    ]  # fmt: skip
+    config = {"parameters": 10, "hidden": 4, "layers": 1, "seq_len": 8, "batch": 8, "autocast_bf16": True}
+    results = {"meta": {"device_type": "cuda"}, "micro": [], "e2e": {"config": config, "rows": rows}}
+    table = summary.readme_tables(results)
+    assert "| peak MiB | peak MiB requested |" in table
+    assert "| plain | 2.0 | - | 3905 | 3870.123 |" in table and "| gafused | 1.5 | cuda | 3909 | 3870.125 |" in table
+    assert "3870.123" in run.format_e2e_table(results["e2e"], "a GPU")
+    older = [{key: value for key, value in row.items() if key != "peak_requested_mb"} for row in rows]
+    table = summary.readme_tables({**results, "e2e": {"config": config, "rows": older}})
+    assert "requested" not in table and "| plain | 2.0 | - | 3905 |" in table
+
+
 def test_the_readme_gpu_window_end_to_end_and_memory_figures_are_the_committed_results() -> None:
     import summary
 

@@ -129,3 +129,15 @@ def test_fold_during_backward_bf16_is_no_higher_than_megatron_main_grad(peaks):
     assert (
         peaks["gafused-step", torch.bfloat16]["peak_bytes"] <= peaks["megatron", torch.bfloat16]["peak_bytes"] + BUCKET
     )
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+def test_end_to_end_recipes_hold_no_more_than_plain_accumulation_but_a_few_scalars(autocast):
+    """bench/e2e.py's recipes on its tiny GPT, tracked exactly: both gafused loops peak within a few 0-d tensors
+    (the window's weight sum, grad_norm, the micro-batch's weight and scale) of plain PyTorch accumulation."""
+    import e2e_memory
+
+    rows = {row["recipe"].split(":")[0]: row for row in e2e_memory.rows("quick", autocast=autocast)}
+    assert rows["plain"]["over_plain_bytes"] == 0 and rows["plain"]["peak_bytes"] > 1_000_000
+    for recipe in ("gafused", "gafused backward"):
+        assert rows[recipe]["over_plain_bytes"] <= 64, rows[recipe]
