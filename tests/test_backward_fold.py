@@ -81,10 +81,10 @@ def test_buckets_are_folded_and_released_while_backward_runs(backend, monkeypatc
     assert opt.stepped
 
 
-def test_a_parameter_frozen_later_does_not_hold_its_bucket_to_the_end_of_backward(backend):
-    """Bucket gradient counts are learned from the backward before: once a parameter is frozen after the
-    accumulator was built, its bucket is folded while backward runs again (not at its end, with every gradient of
-    the bucket alive); unfrozen again, the bucket waits for it. Exact against the step-time loop throughout."""
+def _freeze_schedule(backend, frozen_at, seed) -> list[bool]:
+    """Train with the last layer's weight frozen at the indices ``frozen_at`` says, folding during backward, against
+    the step-time loop (asserted exact); returns, per micro-batch, whether the last layer's bucket was folded while
+    backward ran (its bias gradient gone by the time the first layer's weight gradient lands)."""
     model, reference = _model(), _model()
     opt = GradAccumulator(
         torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
@@ -92,21 +92,27 @@ def test_a_parameter_frozen_later_does_not_hold_its_bucket_to_the_end_of_backwar
     ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
     seen = []
     model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].bias.grad is None))
-    batches = _batches(9, seed=4)
-    for index, x in enumerate(batches):
-        frozen = 2 <= index < 6
-        model[6].weight.requires_grad_(not frozen)
-        reference[6].weight.requires_grad_(not frozen)
+    for index, x in enumerate(_batches(len(frozen_at), seed=seed)):
+        model[6].weight.requires_grad_(not frozen_at[index])
+        reference[6].weight.requires_grad_(not frozen_at[index])
         opt.backward(_loss(model, x), weight=float(x.shape[0]))
         opt.step()
         _loss(reference, x).backward()
         ref_opt.step(weight=float(x.shape[0]))
         ref_opt.zero_grad()
+    assert opt.stepped
+    _assert_same(model, reference)
+    return seen
+
+
+def test_a_parameter_frozen_later_does_not_hold_its_bucket_to_the_end_of_backward(backend):
+    """Bucket gradient counts are learned from the backward before: once a parameter is frozen after the
+    accumulator was built, its bucket is folded while backward runs again (not at its end, with every gradient of
+    the bucket alive); unfrozen again, the bucket waits for it. Exact against the step-time loop throughout."""
+    seen = _freeze_schedule(backend, [2 <= index < 6 for index in range(9)], seed=4)
     # Folded during backward except right after a change: the first frozen call (index 2, the bucket waits for
     # the frozen weight) and the first unfrozen one (index 6, handed over early once, completed at the end).
     assert seen == [True, True, False, True, True, True, True, True, True]
-    assert opt.stepped
-    _assert_same(model, reference)
 
 
 def test_a_bucket_handed_over_early_waits_for_all_only_until_its_use_is_stable_again(backend):
@@ -114,27 +120,10 @@ def test_a_bucket_handed_over_early_waits_for_all_only_until_its_use_is_stable_a
     RELEARN_CALLS calls it waits for that count again, so the second freeze holds it for one backward only, like
     the first. Exact against the step-time loop throughout."""
     assert RELEARN_CALLS == 2, "the schedule below is laid out for 2"
-    model, reference = _model(), _model()
-    opt = GradAccumulator(
-        torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
-    )
-    ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
-    seen = []
-    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].bias.grad is None))
-    for index, x in enumerate(_batches(12, seed=5)):
-        frozen = index in (2, 3) or index >= 7
-        model[6].weight.requires_grad_(not frozen)
-        reference[6].weight.requires_grad_(not frozen)
-        opt.backward(_loss(model, x), weight=float(x.shape[0]))
-        opt.step()
-        _loss(reference, x).backward()
-        ref_opt.step(weight=float(x.shape[0]))
-        ref_opt.zero_grad()
+    seen = _freeze_schedule(backend, [index in (2, 3) or index >= 7 for index in range(12)], seed=5)
     # Held to the end of backward only on the first call of each freeze (2 and 7); 4 hands over early, 5 and 6
     # wait for both gradients (the count is stable from 5 on), and from 8 on the bucket waits for one gradient.
     assert seen == [True, True, False, True, True, True, True, False, True, True, True, True]
-    assert opt.stepped
-    _assert_same(model, reference)
 
 
 @pytest.mark.parametrize(
