@@ -791,13 +791,17 @@ class GradAccumulator(torch.optim.Optimizer):
         parameters hold gradients that no ``step()`` has folded, or a ``backward()`` has no ``step()`` yet, rather
         than drop or silently include them.
 
-        With ``model=`` it is a collective call: every rank calls it, after the same number of micro-batches.
+        With ``model=`` it is a collective call: every rank calls it, after the same number of micro-batches, and a
+        refusal on one rank makes every rank raise.
         """
-        self._check_param_set(identity=True)
-        if self._micro is not None:
-            raise RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
-        unfolded = self._unfolded_names()
-        refusal = None
+        refusal: Exception | None = None
+        try:
+            self._check_param_set(identity=True)
+        except RuntimeError as error:
+            refusal = error
+        if refusal is None and self._micro is not None:
+            refusal = RuntimeError("flush(): backward() was called without step(); call step() to end the micro-batch")
+        unfolded = self._unfolded_names() if refusal is None else []
         if unfolded:
             refusal = RuntimeError(
                 f"flush(): {len(unfolded)} parameter(s) hold gradients not folded by step(), e.g. {unfolded[0]}; "

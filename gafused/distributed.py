@@ -139,6 +139,23 @@ class Sync:
         return []
 
 
+def ddp_reduced(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of what DDP itself all-reduces: the parameters not in its ignore list
+    (``_ddp_params_and_buffers_to_ignore``), matched by either name DDP matches."""
+    ignored = model.parameters_to_ignore
+    skipped = {
+        id(param)
+        for prefix, module in model.module.named_modules()
+        for name, param in module.named_parameters(recurse=False)
+        if f"{prefix}.{name}" in ignored
+    }
+    return [
+        (name, param)
+        for name, param in model.module.named_parameters()
+        if name not in ignored and id(param) not in skipped
+    ]
+
+
 class DDPSync(Sync):
     """DDP: gafused all-reduces each bucket once per window, in bucket order, on the last micro-batch."""
 
@@ -162,19 +179,7 @@ class DDPSync(Sync):
                 stacklevel=4,
             )
         self._model = model
-        # What DDP itself would all-reduce: the parameters not in its ignore list (by either name DDP matches).
-        ignored = model.parameters_to_ignore
-        skipped = {
-            id(param)
-            for prefix, module in model.module.named_modules()
-            for name, param in module.named_parameters(recurse=False)
-            if f"{prefix}.{name}" in ignored
-        }
-        self._reduced: list[tuple[str, torch.Tensor]] = [
-            (name, param)
-            for name, param in model.module.named_parameters()
-            if name not in ignored and id(param) not in skipped
-        ]
+        self._reduced = ddp_reduced(model)
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -375,6 +380,16 @@ def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: 
                 f"model: parameter {index} of the optimizer (shape {tuple(param.shape)}) is not a parameter of "
                 "model; gafused would accumulate it without reducing it across ranks"
             )
+    if is_ddp:
+        reduced = {id(param) for _, param in ddp_reduced(model)}
+        names = {id(param): name for name, param in model.module.named_parameters()}
+        for index, param in enumerate(params):
+            if id(param) not in reduced:
+                raise ValueError(
+                    f"model: parameter {index} of the optimizer ({names[id(param)]}) is one DDP ignores "
+                    "(_ddp_params_and_buffers_to_ignore): DDP leaves its gradient to each rank, while an accumulator "
+                    "with model= sums every gradient it holds over the ranks; step it with a separate optimizer"
+                )
     if is_fsdp:
         if reduce_dtype is not None:
             raise ValueError(

@@ -588,6 +588,17 @@ def _misuse(rank: int) -> dict[str, str]:
     said["flush refused on one rank micro_step"] = str(opt.micro_step)
     opt.zero_grad()
     said["flush after the refusal"] = str(opt.flush())
+    # The same when rank 1's refusal is a backward() without its step(): checked before the collective too.
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), None, model=ddp)
+    opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    if rank == 1:
+        opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
+    said["flush with a backward() awaiting step()"] = _said(RuntimeError, opt.flush)
+    said["flush with a backward() awaiting step() micro_step"] = str(opt.micro_step)
+    opt.zero_grad()
+    del opt
+    gc.collect()
     # A mid-window checkpoint holds this rank's part: loading another rank's is refused.
     opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
     opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
@@ -656,6 +667,11 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
     opt = gafused.GradAccumulator(torch.optim.SGD(list(module.parameters())[:4], lr=LR), N, model=ignoring)
     said["params ddp ignores"] = _said(RuntimeError, window, [opt], ignoring)
     del opt
+    gc.collect()
+    # In the accumulator itself they are refused: DDP leaves their gradients to each rank, gafused would sum them.
+    sgd = torch.optim.SGD(module.parameters(), lr=LR)
+    said["accumulating params ddp ignores"] = _said(ValueError, gafused.GradAccumulator, sgd, N, model=ignoring)
+    said["ddp sync after refusing them"] = str(ignoring.require_backward_grad_sync)
 
     hooked = _wrap("ddp", rank)  # a communication hook, which gafused's own reduction bypasses
     with warnings.catch_warnings(record=True) as caught:

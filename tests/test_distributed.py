@@ -244,6 +244,9 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         refused = said["flush refused on one rank"]
         assert ("not folded by step()" if rank == 1 else "another rank refused flush()") in refused, refused
         assert said["flush refused on one rank micro_step"] == "1" and said["flush after the refusal"] == "True"
+        refused = said["flush with a backward() awaiting step()"]
+        assert ("without step()" if rank == 1 else "another rank refused flush()") in refused, refused
+        assert said["flush with a backward() awaiting step() micro_step"] == "1"
         assert said["checkpoint rank"] == str(rank)
         assert "['rank']" in said["other rank's checkpoint"] and "each rank's own" in said["other rank's checkpoint"]
         assert "float16" in said["fsdp fp16 loss weight"] and "loss.float()" in said["fsdp fp16 loss weight"]
@@ -256,6 +259,9 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["plain second optimizer micro_step"] == str(cases.N - 1)
         assert said["plain second optimizer params"] == "True"
         assert said["params ddp ignores"] == "no error"
+        refused = said["accumulating params ddp ignores"]
+        assert "parameter 4 of the optimizer (4.weight)" in refused and "DDP ignores" in refused, refused
+        assert said["ddp sync after refusing them"] == "True"
         assert "static_graph=False" in said["static graph"]
         assert said["static graph sync"] == "True"
         assert "_counting_allreduce_hook" in said["comm hook"] and "will not run" in said["comm hook"]
