@@ -138,8 +138,14 @@ def test_a_bucket_handed_over_early_waits_for_all_only_until_its_use_is_stable_a
             [True, False, True, True, False, False, True, False, True, False, True, False],
             ["ok", "held", "early", "ok", "held", "ok", "early", "held", "ok", "held", "ok", "held"],
         ),
+        # A second early hand-over (call 6) doubles the calls needed to 4: the bucket waits for both through
+        # calls 7-10 (with 2 it would wait for one from call 9 on).
+        (
+            [True, False, True, True, False, False, True, False, False, False, False, False],
+            ["ok", "held", "early", "ok", "held", "ok", "early", "held", "held", "held", "held", "ok"],
+        ),
     ],
-    ids=["grew-once", "alternating"],
+    ids=["grew-once", "alternating", "grew-twice"],
 )
 def test_bucket_hooks_relearn_with_doubling_patience(uses, outcomes):
     """BucketHooks alone, one bucket of two parameters, the second used or not per backward call: "ok" when the

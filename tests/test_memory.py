@@ -133,11 +133,14 @@ def test_fold_during_backward_bf16_is_no_higher_than_megatron_main_grad(peaks):
 
 @pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
 def test_end_to_end_recipes_hold_no_more_than_plain_accumulation_but_a_few_scalars(autocast):
-    """bench/e2e.py's recipes on its tiny GPT, tracked exactly: both gafused loops peak within a few 0-d tensors
-    (the window's weight sum, grad_norm, the micro-batch's weight and scale) of plain PyTorch accumulation."""
+    """bench/e2e.py's recipes on its tiny GPT, tracked exactly (the figures bench/e2e_memory.py prints): both gafused
+    loops peak within a few 0-d tensors (the window's weight sum, grad_norm, the micro-batch's weight and scale) of
+    plain PyTorch accumulation. This model's peak does not fall during backward (keeping folded gradients alive
+    there leaves it unchanged), so the test holds what the accumulator keeps at the optimizer step (no copies, no
+    stray gradients); gradients released during backward are held by the tests above."""
     import e2e_memory
 
     rows = {row["recipe"].split(":")[0]: row for row in e2e_memory.rows("quick", autocast=autocast)}
-    assert rows["plain"]["over_plain_bytes"] == 0 and rows["plain"]["peak_bytes"] > 1_000_000
+    assert rows["plain"]["peak_bytes"] > 1_000_000  # the model, AdamW's state and the gradients were all seen
     for recipe in ("gafused", "gafused backward"):
         assert rows[recipe]["over_plain_bytes"] <= 64, rows[recipe]

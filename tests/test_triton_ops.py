@@ -443,10 +443,11 @@ def test_a_misaligned_gradient_of_a_known_layout_is_copied_every_call():
 
 @needs_triton
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="a byte-misaligned fp32 tensor faults in CUDA kernels")
-def test_a_copy_landing_on_a_cached_address_is_not_filed_under_the_original():
+def test_a_copy_landing_on_a_cached_address_is_not_filed_under_the_original(monkeypatch):
     """A misaligned gradient's aligned copy may land where an earlier gradient lived, whose table is cached by
     (address, dtype): that table fits the copy, not the original, so it must not be filed under the original's
-    address, or the next call would read where the (freed) copy was."""
+    address, or the next call would read the copy's memory, stale by then. The copy is put at that address on
+    purpose (the allocator would do so only by chance)."""
     n = 1000
     candidate_buffer, reference_buffer = _buffers([(n,), (n,)], torch.float32)
     acc = candidate_buffer.data
@@ -454,14 +455,18 @@ def test_a_copy_landing_on_a_cached_address_is_not_filed_under_the_original():
     storage = torch.zeros(4 * n + 1, dtype=torch.uint8, device=DEVICE).untyped_storage()
     odd = torch.empty(0, device=DEVICE).set_(storage[1:], 0, (n,), (1,))
     odd.copy_(torch.randn(n, device=DEVICE))
-    gone = torch.randn(n, device=DEVICE)
-    address = gone.data_ptr()
-    _layout.grad_tables(acc, ops.check_grads(candidate_buffer, [kept, gone]))  # cached for (kept, address)
-    del gone  # the next allocation of its size takes its address: the copy of odd below
+    landing = torch.randn(n, device=DEVICE)
+    _layout.grad_tables(acc, ops.check_grads(candidate_buffer, [kept, landing]))  # cached for (kept, landing)
+    clone = torch.Tensor.clone
+
+    def clone_into_landing(tensor, *args, **kwargs):
+        return landing.copy_(tensor) if tensor is odd else clone(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone_into_landing)
     tables = _layout.grad_tables(acc, ops.check_grads(candidate_buffer, [kept, odd]))
-    assert tables.keep_alive[0].data_ptr() == address, "the allocator put the copy elsewhere: no collision to test"
+    assert tables.keep_alive[0].data_ptr() == landing.data_ptr()  # the copy is where a cached table points
     del tables
-    odd.copy_(torch.randn(n, device=DEVICE))
+    odd.copy_(torch.randn(n, device=DEVICE))  # landing still holds odd's old values
     for _ in range(2):
         _fold_both(candidate_buffer, reference_buffer, [kept, odd])
 
@@ -489,12 +494,14 @@ def test_a_table_built_while_another_thread_changed_the_layout_is_not_filed_unde
         return build(*args)
 
     monkeypatch.setattr(_layout, "_grad_tables", paused)
-    thread = threading.Thread(target=_layout.grad_tables, args=(acc, checked_fp32), name="A")
+    results = []
+    thread = threading.Thread(target=lambda: results.append(_layout.grad_tables(acc, checked_fp32)), name="A")
     thread.start()
     assert building.wait(timeout=30)
     _layout.grad_tables(acc, checked_bf16)
     go_on.set()
     thread.join(timeout=30)
+    assert not thread.is_alive() and len(results) == 1, "thread A did not finish its call"
     monkeypatch.setattr(_layout, "_grad_tables", build)
     _fold_both(candidate_buffer, reference_buffer, as_bf16)
 
