@@ -26,8 +26,9 @@ def test_rows_cover_the_baseline_and_every_cpu_backend():
 
 
 def test_triton_rows_skip_only_the_launches():
-    """On CPU the triton backend's rows time its host work with the fold kernel's launches skipped; the kernel is put
-    back afterwards, and the skipped launch really is the only difference (the first fold of each case runs it)."""
+    """On CPU the triton backend's rows (``triton-host``) time its host work with the fold kernel's launches skipped:
+    while a timed call runs the fold kernel is a stand-in that launches nothing, and the real kernel is put back
+    afterwards."""
     if gafused.ops.backend_unavailable_reason("triton", "cpu") is not None:
         pytest.skip("the triton backend does not run on CPU here")
     from gafused.triton_backend import fold
