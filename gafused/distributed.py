@@ -139,7 +139,7 @@ class Sync:
         return []
 
 
-def ddp_reduced(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _ddp_reduced(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) of what DDP itself all-reduces: the parameters not in its ignore list
     (``_ddp_params_and_buffers_to_ignore``), matched by either name DDP matches."""
     ignored = model.parameters_to_ignore
@@ -162,7 +162,17 @@ class DDPSync(Sync):
     reduces_buckets = True
     name = "ddp"
 
-    def __init__(self, model: torch.nn.Module, reduce_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> None:
+        self._reduced = _ddp_reduced(model)  # (name, parameter) of what DDP itself would all-reduce
+        reduced = {id(param) for _, param in self._reduced}
+        for index, param in enumerate(params):
+            if id(param) not in reduced:
+                name = next(name for name, owned in model.module.named_parameters() if owned is param)
+                raise ValueError(
+                    f"model: parameter {index} of the optimizer ({name}) is one DDP ignores "
+                    "(_ddp_params_and_buffers_to_ignore): DDP leaves its gradient to each rank, while an accumulator "
+                    "with model= sums every gradient it holds over the ranks; step it with a separate optimizer"
+                )
         if model.static_graph:
             raise ValueError(
                 "model: DistributedDataParallel(static_graph=True) is not supported: gafused turns DDP's gradient "
@@ -179,7 +189,6 @@ class DDPSync(Sync):
                 stacklevel=4,
             )
         self._model = model
-        self._reduced = ddp_reduced(model)
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -380,16 +389,6 @@ def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: 
                 f"model: parameter {index} of the optimizer (shape {tuple(param.shape)}) is not a parameter of "
                 "model; gafused would accumulate it without reducing it across ranks"
             )
-    if is_ddp:
-        reduced = {id(param) for _, param in ddp_reduced(model)}
-        names = {id(param): name for name, param in model.module.named_parameters()}
-        for index, param in enumerate(params):
-            if id(param) not in reduced:
-                raise ValueError(
-                    f"model: parameter {index} of the optimizer ({names[id(param)]}) is one DDP ignores "
-                    "(_ddp_params_and_buffers_to_ignore): DDP leaves its gradient to each rank, while an accumulator "
-                    "with model= sums every gradient it holds over the ranks; step it with a separate optimizer"
-                )
     if is_fsdp:
         if reduce_dtype is not None:
             raise ValueError(
@@ -397,4 +396,4 @@ def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: 
                 "MixedPrecisionPolicy(reduce_dtype=...)"
             )
         return FSDPSync(model, params)
-    return DDPSync(model, reduce_dtype)
+    return DDPSync(model, params, reduce_dtype)
