@@ -51,6 +51,13 @@ std::optional<gafused::DType> dtype_code(at::ScalarType type) {
   }
 }
 
+// Whether a tensor's first element sits at a multiple of its element size. Torch allows a view of storage cut at
+// any byte; a kernel's load of such an element faults (misaligned address), and that error is sticky: the
+// process's CUDA context is lost. Refused before any launch instead.
+bool aligned(const at::Tensor& tensor) {
+  return reinterpret_cast<uintptr_t>(tensor.data_ptr()) % static_cast<uintptr_t>(tensor.element_size()) == 0;
+}
+
 // The stream integer from Python back into the handle it was made from.
 cudaStream_t as_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)); }
 
@@ -66,6 +73,8 @@ gafused::DType check_acc(const char* op, const at::Tensor& acc) {
               ": acc must be float32 or float64, got ", acc.scalar_type());
   TORCH_CHECK(acc.dim() == 1, op, ": acc must be flat (1-d), got shape ", shape(acc.sizes()));
   TORCH_CHECK(acc.is_contiguous(), op, ": acc must be contiguous");
+  TORCH_CHECK(aligned(acc), op, ": acc must start at a multiple of its ", num(acc.element_size()),
+              "-byte element size (a view of storage cut at an odd byte)");
   return *dtype_code(acc.scalar_type());
 }
 
@@ -144,6 +153,8 @@ Table pack_table(const char* op, const at::Tensor& acc, const std::vector<Option
         TORCH_CHECK(grad_code.has_value(), op, ": grads[", num(i),
                     "] must be float32, float64, bfloat16 or float16, got ", grad->scalar_type());
         TORCH_CHECK(grad->is_contiguous(), op, ": grads[", num(i), "] must be contiguous");
+        TORCH_CHECK(aligned(*grad), op, ": grads[", num(i), "] must start at a multiple of its ",
+                    num(grad->element_size()), "-byte element size (a view of storage cut at an odd byte)");
         TORCH_CHECK(grad->numel() == numels[i], op, ": grads[", num(i), "] has ", num(grad->numel()),
                     " elements, its segment ", num(numels[i]));
         entry.address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(grad->data_ptr()));
@@ -277,6 +288,8 @@ void scale(const at::Tensor& acc, const std::vector<int64_t>& offsets, const std
     TORCH_CHECK(out->dim() == 1 && out->numel() == acc.numel(), op, ": out must be flat with acc's ",
                 num(acc.numel()), " elements, got shape ", shape(out->sizes()));
     TORCH_CHECK(out->is_contiguous(), op, ": out must be contiguous");
+    TORCH_CHECK(aligned(*out), op, ": out must start at a multiple of its ", num(out->element_size()),
+                "-byte element size (a view of storage cut at an odd byte)");
     out_dtype = *code;
     out_ptr = out->data_ptr();
   }

@@ -258,8 +258,21 @@ def _scale_op(
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
+def to_device(
+    value: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None, *, copy: bool = False
+) -> torch.Tensor:
+    """``value`` on ``device`` (in ``dtype``) without a host sync where that is safe.
+
+    A copy to a device is queued on the stream and the host goes on (from pageable CPU memory torch stages it, so
+    the source may change right after). A copy from a device to the CPU is not: non-blocking, torch would return a
+    pinned tensor before the data arrives, and the host would read whatever that memory held. Such copies wait.
+    """
+    return value.to(device=device, dtype=dtype, non_blocking=device.type != "cpu", copy=copy)
+
+
 def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> torch.Tensor:
-    """A 0-d tensor on the buffer's device in its dtype; device tensors are moved without a host sync."""
+    """A 0-d tensor on the buffer's device in its dtype; a tensor is moved without a host sync unless it goes from a
+    device to a CPU buffer (see ``to_device``)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
@@ -269,7 +282,7 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
             raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
         if value.requires_grad:  # its value only: a weight with a graph must not attach one to the buffer
             value = value.detach()
-        return value.to(device=buffer.device, dtype=buffer.accum_dtype, non_blocking=True)
+        return to_device(value, buffer.device, buffer.accum_dtype)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number or a 0-d tensor, got {type(value).__name__}")
     return torch.full((), float(value), dtype=buffer.accum_dtype, device=buffer.device)
@@ -495,7 +508,8 @@ def fold_(
 
     Args:
         buffer: the accumulation buffer.
-        grads: one gradient (any float dtype, the segment's number of elements) or None per segment.
+        grads: one gradient (float16, bfloat16, float32 or float64; the segment's number of elements) or None per
+            segment.
         weight: the micro-batch weight, a number or a 0-d tensor (stays on the device).
         first: the first micro-batch of a window overwrites instead of adding (no zeroing pass needed).
         backend: ``"auto"`` or a name from ``BACKENDS``.
@@ -578,8 +592,9 @@ def scale_(
     Args:
         buffer: the accumulation buffer.
         coef: a number or 0-d tensor (e.g. the clip coefficient, kept on the device).
-        out: optional flat tensor with the buffer's layout (same numel and device, any float dtype);
-            when given, the buffer is left as it is and ``out[seg] = (acc[seg] * coef).to(out.dtype)``.
+        out: optional flat tensor with the buffer's layout (same numel and device; float16, bfloat16, float32 or
+            float64, aligned to its element size); when given, the buffer is left as it is and
+            ``out[seg] = (acc[seg] * coef).to(out.dtype)``.
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
     c = _scalar(coef, "coef", buffer)
@@ -589,10 +604,18 @@ def scale_(
                 f"out must be a flat tensor of {buffer.numel} elements on {buffer.device}, "
                 f"got shape {tuple(out.shape)} on {out.device}"
             )
-        if not out.is_floating_point() or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous floating-point tensor, got dtype {out.dtype}")
+        if out.dtype not in GRAD_DTYPES or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous float16, bfloat16, float32 or float64 tensor, got dtype {out.dtype}"
+                + ("" if out.is_contiguous() else " (not contiguous)")
+            )
     name = resolve_backend(backend, buffer.device)
     if _eager(buffer.data):
+        if out is not None and out.data_ptr() % out.element_size():  # (a traced call has no address to check)
+            raise ValueError(
+                f"out must start at a multiple of its {out.element_size()}-byte element size, got a view of storage "
+                "cut at an odd byte"
+            )
         _backend_for(buffer.data, name).scale_(buffer.data, buffer.offsets, buffer.numels, c, out)
     else:
         _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)

@@ -445,3 +445,59 @@ def test_argument_errors_name_the_argument():
     for call, message in cases:
         with pytest.raises(RuntimeError, match=re.escape(message)):
             call()
+
+
+def _cut_at_an_odd_byte(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CUDA tensor one byte into its storage: legal in torch, but no element is at its alignment."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    storage = torch.zeros(itemsize * numel + 1, dtype=torch.uint8, device="cuda").untyped_storage()
+    tensor = torch.empty(0, dtype=dtype, device="cuda").set_(storage[1:], 0, (numel,), (1,))
+    assert tensor.is_contiguous() and tensor.data_ptr() % itemsize
+    return tensor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["grad", "out", "acc"])
+def test_a_tensor_cut_at_an_odd_byte_is_refused_before_any_launch(what):
+    """Its loads would fault (misaligned address), and that error takes the process's CUDA context with it: refused
+    with a message, nothing written, and the device still works afterwards."""
+    from gafused import _C
+
+    stream = torch.cuda.current_stream().cuda_stream
+    acc = torch.full((64,), 3.0, device="cuda")
+    weight = _scalar(1.0, torch.float32)
+    grad = torch.ones(8, device="cuda")
+    out = None
+    if what == "grad":
+        grad = _cut_at_an_odd_byte(8, torch.float32)
+        message = "fold_: grads[0] must start at a multiple of its 4-byte element size"
+    elif what == "out":
+        out = _cut_at_an_odd_byte(64, torch.bfloat16)
+        message = "scale_: out must start at a multiple of its 2-byte element size"
+    else:
+        acc = _cut_at_an_odd_byte(64, torch.float32)
+        message = "fold_: acc must start at a multiple of its 4-byte element size"
+    # Compared as bytes of the whole storage: torch's own kernels would fault on the misaligned tensor too.
+    acc_bytes = torch.empty(0, dtype=torch.uint8, device="cuda").set_(acc.untyped_storage())
+    before = acc_bytes.clone()
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        if what == "out":
+            _C.scale_(acc, [0], [8], weight, out, stream)
+        else:
+            _C.fold_(acc, [grad], [0], [8], weight, False, stream)
+    torch.cuda.synchronize()  # no launch happened, so no sticky error is waiting here
+    assert torch.equal(acc_bytes, before)
+    assert torch.ones(3, device="cuda").sum().item() == 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference", "foreach"])
+def test_a_gpu_weight_for_a_cpu_buffer_is_read_once_it_has_arrived(backend):
+    """A 0-d CUDA weight for a CPU buffer crosses to the CPU: the fold must see its value, not the memory the copy
+    has yet to fill while the stream is busy."""
+    buffer = FlatGradBuffer([torch.empty(1000)])
+    for trial in range(5):
+        torch.cuda._sleep(200_000_000)  # keeps the stream busy: a copy queued behind it has not run yet
+        weight = torch.full((), 3.0 + trial, device="cuda")
+        ops.fold_(buffer, [torch.ones(1000)], weight, first=True, backend=backend)
+        assert torch.equal(buffer.data[:1000], torch.full((1000,), 3.0 + trial))

@@ -237,6 +237,26 @@ def test_ops_reject_bad_scalars_and_backend():
         ops.scale_(buffer, 1.0, out=torch.empty(3), backend="reference")
 
 
+@pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
+def test_scale_into_out_refuses_what_no_gradient_can_be_before_writing(backend):
+    """``out`` takes a parameter gradient's dtype (the dtypes every backend casts to) and must start on its element
+    size (GPU kernels fault on a view cut at an odd byte): anything else is refused, nothing written."""
+    if backend == "triton" and ops.backend_unavailable_reason("triton", "cpu"):
+        pytest.skip(ops.backend_unavailable_reason("triton", "cpu"))
+    buffer = _buffer([(3,), (2,)])
+    ops.fold_(buffer, [torch.randn(3), torch.randn(2)], 1.0, first=True, backend="reference")
+    fp8 = torch.zeros(buffer.numel, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"out must be a contiguous float16, bfloat16, float32 or float64 tensor"):
+        ops.scale_(buffer, 0.5, out=fp8, backend=backend)
+    assert not fp8.view(torch.uint8).any()
+    storage = torch.zeros(4 * buffer.numel + 1, dtype=torch.uint8).untyped_storage()
+    odd = torch.empty(0).set_(storage[1:], 0, (buffer.numel,), (1,))
+    assert odd.is_contiguous() and odd.data_ptr() % 4
+    with pytest.raises(ValueError, match="out must start at a multiple of its 4-byte element size"):
+        ops.scale_(buffer, 0.5, out=odd, backend=backend)
+    assert not torch.empty(0, dtype=torch.uint8).set_(storage).any()
+
+
 def test_ops_refuse_a_first_flag_that_is_not_a_bool():
     buffer = _buffer([(3,)])
     ops.fold_(buffer, [torch.ones(3)], 1.0, first=True, backend="reference")
