@@ -846,8 +846,8 @@ class GradAccumulator(torch.optim.Optimizer):
             ops.fold_finish_(
                 group.buffer,
                 [None] * len(group.params),
-                zero.to(group.buffer.device),
-                scale.to(group.buffer.device, non_blocking=True),
+                ops.to_device(zero, group.buffer.device),
+                ops.to_device(scale, group.buffer.device),
                 first=False,
                 backend=group.backend,
             )
@@ -893,8 +893,8 @@ class GradAccumulator(torch.optim.Optimizer):
         scale = self._window_scale(weight_sum) if last and not self._global else None
         self._reducing = last and self._sync.reduces_buckets
         for group in self._groups:
-            group.fold_weight = fold_weight.to(group.buffer.device, non_blocking=True)
-            group.scale = None if scale is None else scale.to(group.buffer.device, non_blocking=True)
+            group.fold_weight = ops.to_device(fold_weight, group.buffer.device)
+            group.scale = None if scale is None else ops.to_device(scale, group.buffer.device)
             group.bucket_touched = [False] * len(group.bucket_touched)
             group.bucket_results = [None] * len(group.bucket_results)
         self._micro = _MicroBatch(
@@ -1005,9 +1005,9 @@ class GradAccumulator(torch.optim.Optimizer):
         self._record_bad_weight(bad)
         results = []
         for group, group_grads in zip(self._groups, grads, strict=True):
-            group_weight = fold_weight.to(group.buffer.device, non_blocking=True)
+            group_weight = ops.to_device(fold_weight, group.buffer.device)
             if last and not self._global:
-                scale = self._window_scale(weight_sum).to(group.buffer.device, non_blocking=True)
+                scale = ops.to_device(self._window_scale(weight_sum), group.buffer.device)
                 results.append(
                     ops.fold_finish_(
                         group.buffer, group_grads, group_weight, scale, first=first, backend=group.backend, check=False
@@ -1108,8 +1108,8 @@ class GradAccumulator(torch.optim.Optimizer):
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
         results = []
         for group_index, group in enumerate(self._groups):
-            group_zero = zero.to(group.buffer.device)
-            group_scale = scale.to(group.buffer.device, non_blocking=True)
+            group_zero = ops.to_device(zero, group.buffer.device)
+            group_scale = ops.to_device(scale, group.buffer.device)
             for bucket_index, bucket in enumerate(group.buffer.buckets):
                 pending = self._pending.get((group_index, bucket_index))
                 if pending is not None:
@@ -1177,7 +1177,7 @@ class GradAccumulator(torch.optim.Optimizer):
             if weight.device.type == "cpu":  # checking costs no device sync
                 self._check_weight_value(weight.item())
                 return weight.to(device=self._home, dtype=torch.float64, copy=True), None
-            w = weight.to(device=self._home, dtype=torch.float64, non_blocking=True, copy=True)
+            w = ops.to_device(weight, self._home, torch.float64, copy=True)
             tiny, top, _ = self._weight_range
             return w, ~((w == 0) | ((w >= tiny) & (w <= top)))  # nan fails every comparison
         number = _real_number(weight)
@@ -1437,8 +1437,8 @@ class GradAccumulator(torch.optim.Optimizer):
         """The window's global norm and non-finite flag from the (sum of squares, flag) of its finished pieces."""
         wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
         norm_dtype = torch.float64 if wide else torch.float32
-        total = torch.stack([s.to(self._home, torch.float64, non_blocking=True) for s, _ in results]).sum()
-        found_inf = torch.stack([flag.to(self._home, non_blocking=True) for _, flag in results]).any()
+        total = torch.stack([ops.to_device(s, self._home, torch.float64) for s, _ in results]).sum()
+        found_inf = torch.stack([ops.to_device(flag, self._home) for _, flag in results]).any()
         total, found_inf = self._sync.reduce_norm(total, found_inf)  # FSDP2: every rank's shards
         # A window whose weights sum to zero holds no data: skipped in either normalization (with "mean" every
         # finished value would be nan, but an all-empty buffer has no value to show it).
@@ -1476,7 +1476,7 @@ class GradAccumulator(torch.optim.Optimizer):
             self._sync.wait_bucket(part, self._sync.start_bucket(part))
             one = torch.ones((), dtype=bucket.accum_dtype, device=bucket.device)
             results[self._reduce_order.index(key)] = ops.fold_finish_(
-                bucket, part.views(), scale.to(bucket.device), one, first=False, backend=group.backend
+                bucket, part.views(), ops.to_device(scale, bucket.device), one, first=False, backend=group.backend
             )
         self._late.clear()
         return results
@@ -1490,7 +1490,7 @@ class GradAccumulator(torch.optim.Optimizer):
         the step post-hooks returned (``_release_unhooked``).
         """
         buffer = group.buffer
-        group_coef = None if coef is None else coef.to(buffer.device, non_blocking=True)
+        group_coef = None if coef is None else ops.to_device(coef, buffer.device)
         if group.param_dtype == buffer.accum_dtype:
             if group_coef is not None:
                 ops.scale_(buffer, group_coef, backend=group.backend)
@@ -1608,6 +1608,7 @@ class GradAccumulator(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         inner, window = self._split_checkpoint(state_dict)
+        self._check_groups_match(inner)
         window = self._validated_window(window)
         self.optimizer.load_state_dict(inner)  # validates its own groups before changing
 
@@ -1644,6 +1645,27 @@ class GradAccumulator(torch.optim.Optimizer):
                     group.buffer.segment(index).copy_(segments[start : start + group.buffer.numels[index]])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_groups_match(self, inner: dict[str, Any]) -> None:
+        """The inner optimizer's own checks on its groups, made before the window's fields are checked against
+        those groups, so that a checkpoint of other groups is refused as that and not as a bad window field."""
+        saved = inner.get("param_groups")
+        if not isinstance(saved, list):
+            return  # the inner optimizer's load_state_dict refuses it
+        groups = self.optimizer.param_groups
+        if len(saved) != len(groups):
+            raise ValueError(
+                f"state_dict['param_groups']: the checkpoint has {len(saved)} parameter groups, the optimizer "
+                f"{len(groups)} (loaded state dict has a different number of parameter groups)"
+            )
+        for index, (entry, group) in enumerate(zip(saved, groups, strict=True)):
+            params = entry.get("params") if isinstance(entry, dict) else None
+            if isinstance(params, list) and len(params) != len(group["params"]):
+                raise ValueError(
+                    f"state_dict['param_groups'][{index}]: the checkpoint's group has {len(params)} parameters, the "
+                    f"optimizer's {len(group['params'])} (loaded state dict contains a parameter group that doesn't "
+                    "match the size of optimizer's group)"
+                )
 
     def _split_checkpoint(self, state_dict: Any) -> tuple[dict[str, Any], Any]:
         """(the inner optimizer's state_dict, the window) of a checkpoint: ``state_dict()``'s own layout, the

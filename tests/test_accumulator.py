@@ -6,6 +6,7 @@ Every test runs for each backend that can run here (the Triton backend through i
 import copy
 import io
 import math
+import re
 import warnings
 
 import pytest
@@ -477,11 +478,38 @@ def test_parameter_unused_in_a_checkpointed_window_keeps_no_grad_and_is_not_deca
 
 def test_load_state_dict_rejects_other_models():
     opt = GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2)
-    other = GradAccumulator(torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1), accumulation_steps=2)
+    same_count = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)).double()
+    other = GradAccumulator(torch.optim.SGD(same_count.parameters(), lr=0.1), accumulation_steps=2)
     with pytest.raises(ValueError, match="do not match"):
         opt.load_state_dict(other.state_dict())
+    fewer = GradAccumulator(torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1), accumulation_steps=2)
+    with pytest.raises(ValueError, match=re.escape("param_groups'][0]: the checkpoint's group has 2 parameters")):
+        opt.load_state_dict(fewer.state_dict())
     with pytest.raises(ValueError, match="state_dict"):
         opt.load_state_dict({"optimizer": {}})
+
+
+@pytest.mark.parametrize("window", ["between windows", "mid-window"])
+def test_a_checkpoint_of_other_parameter_groups_is_refused_as_that(window):
+    """Groups are checked before the window's fields: a checkpoint with two groups loaded where there is one is
+    refused for its groups (as the inner optimizer would), not for a window field sized by the groups."""
+    model = _model()
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    saver = GradAccumulator(
+        torch.optim.SGD([{"params": weights}, {"params": biases, "lr": 0.01}], lr=0.1), accumulation_steps=2
+    )
+    batches = _data([2, 3, 2], seed=5)
+    for x, y in batches[: 3 if window == "mid-window" else 2]:
+        _micro_step(saver, model, x, y, "step")
+    state = saver.state_dict()
+    loader = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    _micro_step(loader, model, *batches[0], "step")
+    before = copy.deepcopy(loader.optimizer.state_dict()), loader.micro_step, [b.data.clone() for b in loader.buffers]
+    with pytest.raises(ValueError, match=r"param_groups'\]: the checkpoint has 2 parameter groups, the optimizer 1"):
+        loader.load_state_dict(state)
+    assert loader.optimizer.state_dict() == before[0] and loader.micro_step == before[1] == 1
+    assert all(torch.equal(b.data, kept) for b, kept in zip(loader.buffers, before[2], strict=True))
 
 
 def test_scheduler_steps_once_per_window_and_per_micro_batch_use_warns(backend):
@@ -1147,3 +1175,73 @@ def test_accumulation_steps_and_max_grad_norm_are_checked_when_changed_later():
     opt.max_grad_norm = None
     _micro_step(opt, model, x, y, "step")
     assert opt.stepped
+
+
+def test_no_copy_to_the_cpu_is_non_blocking(loop, monkeypatch):
+    """A non-blocking copy from a device to the CPU returns before its data arrives: the host would read stale
+    memory. Every copy gafused makes to the CPU over a whole window (weights, scale, norm, clip) must wait."""
+    calls = []
+    original = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append((result.device, kwargs.get("non_blocking", False)))
+        return result
+
+    model = _model(torch.float32)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, max_grad_norm=0.1)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    for x, y in _data([2, 3], dtype=torch.float32, seed=11):
+        _micro_step(opt, model, x, y, loop)
+    monkeypatch.undo()
+    assert opt.stepped and calls  # the window went through the copies it makes
+    assert [device for device, non_blocking in calls if non_blocking and device.type == "cpu"] == []
+
+
+def _mixed_device_model(home: str, other: str, seed: int = 0):
+    """Two parameters, the first (which sets the accumulator's home device) on ``home``, the second on ``other``."""
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.nn.Parameter(torch.randn(64, generator=generator).to(home))
+    second = torch.nn.Parameter(torch.randn(64, generator=generator).to(other))
+    return [first, second]
+
+
+def _mixed_device_loss(params, x):
+    """A loss on the CPU whose gradient reaches both devices."""
+    on_gpu = next(p for p in params if p.is_cuda)
+    on_cpu = next(p for p in params if not p.is_cuda)
+    return (on_gpu * x).sin().sum().cpu() + (on_cpu * x).pow(2).sum()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("home", ["cuda", "cpu"])
+def test_parameters_on_cpu_and_gpu_with_a_busy_stream_match_plain_pytorch(loop, home):
+    """Values that cross from the GPU to the CPU (the fold weight and window scale of a home on the GPU, the norm
+    of a GPU group for a home on the CPU) are read only once they have arrived, however busy the GPU stream."""
+    other = "cpu" if home == "cuda" else "cuda"
+    params = _mixed_device_model(home, other)
+    plain_params = [p.detach().clone().requires_grad_() for p in params]
+    opt = GradAccumulator(torch.optim.SGD(params, lr=1.0), accumulation_steps=2, max_grad_norm=0.5)
+    plain = torch.optim.SGD(plain_params, lr=1.0)
+    busy_cycles = 200_000_000  # a stream busy for ~0.1 s: an unfinished copy would still be queued behind it
+    for window in range(3):
+        for micro in range(2):
+            x = float(micro + 1 + window)
+            torch.cuda._sleep(busy_cycles)
+            if loop == "backward":
+                opt.backward(_mixed_device_loss(params, x))
+                torch.cuda._sleep(busy_cycles)
+                opt.step()
+            else:
+                _mixed_device_loss(params, x).backward()
+                torch.cuda._sleep(busy_cycles)
+                opt.step()
+            opt.zero_grad()
+            _mixed_device_loss(plain_params, x).div(2).backward()
+        norm = torch.nn.utils.clip_grad_norm_(plain_params, 0.5)
+        plain.step()
+        plain.zero_grad()
+        assert opt.stepped
+        torch.testing.assert_close(opt.grad_norm.cpu().double(), norm.cpu().double(), rtol=1e-5, atol=0)
+        for p, q in zip(params, plain_params, strict=True):
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
