@@ -372,6 +372,72 @@ def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
     _assert_matches(accelerator.unwrap_model(model), reference)
 
 
+def _train_windows(accelerator, model, optimizer, loader, scheduler) -> list[torch.Tensor]:
+    """Every batch of ``loader`` as a micro-batch of weight 1 + index; the batches, for the reference."""
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).square().mean(), weight=1.0 + index)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return batches
+
+
+def test_a_model_compiled_by_accelerate_is_accepted_and_trains_exactly(fresh_accelerate) -> None:
+    """Accelerator(dynamo_backend=...) returns the compiled wrapper and records the module inside it."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, dynamo_backend="eager")
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    model, optimizer, loader, scheduler = accelerator.prepare(module, optimizer, loader, scheduler)
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    batches = _train_windows(accelerator, model, optimizer, loader, scheduler)
+    reference = _reference_windows(initial, batches, [[0, 1], [2, 3], [4]], [0.1 / (1 + w) for w in range(3)])
+    _assert_matches(module, reference)
+
+
+def test_free_memory_gives_the_accelerator_back_for_a_new_run(fresh_accelerate) -> None:
+    """free_memory() (and clear()) forgets the prepared optimizer: gafused's routing goes with it, so a sweep can
+    prepare the next run on the same Accelerator, with gafused or plain."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=2)
+    originals = dict(vars(accelerator))
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    _train_windows(accelerator, model, optimizer, loader, scheduler)
+    accelerator.free_memory()
+    assert {name for name in vars(accelerator) if vars(accelerator)[name] is not originals.get(name)} <= {
+        "_optimizers", "_models", "_schedulers", "_dataloaders", "deepspeed_engine_wrapped", "step",
+    }  # fmt: skip
+    for run in ("gafused", "plain"):
+        module = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+        loader = torch.utils.data.DataLoader(data, batch_size=None)
+        model, optimizer, loader, scheduler = accelerator.prepare(module, optimizer, loader, scheduler)
+        initial = _initial_state(accelerator, model)
+        if run == "gafused":
+            optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+            batches = _train_windows(accelerator, model, optimizer, loader, scheduler)
+            windows = [[0, 1], [2, 3]]
+            reference = _reference_windows(initial, batches, windows, [0.1 / (1 + w) for w in range(2)])
+            _assert_matches(module, reference)
+        else:  # Accelerate's own accumulation: the loss divided by gradient_accumulation_steps, no weight
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(batch).square().mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
+            assert optimizer.step_was_skipped is False
+        accelerator.clear()
+
+
 @pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])
 def test_training_goes_on_after_a_failed_step(fresh_accelerate, loop: str) -> None:
     """The inner optimizer raises at the second window's sync step: gafused discards that window and the error

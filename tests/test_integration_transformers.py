@@ -35,7 +35,7 @@ from casekit import run_case_script, tiny_gpt2_config  # noqa: E402
 FP32_ERROR = 1e-5
 # grad_norm logged by the Trainer against the float64 norm of the same window (relative): fp32 rounding.
 NORM_ERROR = 1e-5
-GAFUSED = [cases.GAFUSED, "GafusedTrainer, per-micro-batch mean loss"]
+GAFUSED = [cases.GAFUSED, "GafusedTrainer, per-micro-batch mean loss", cases.COMPILED]
 TRAINER = ["Trainer, num_items_in_batch", "Trainer, per-micro-batch mean loss"]
 RESUMED = f"GafusedTrainer, resumed from checkpoint-{cases.SAVE_AT} (AdamW)"
 
@@ -589,6 +589,30 @@ def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
     assert trainer.accumulator.max_grad_norm == 0.25 and trainer.accumulator.backend == "reference"
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     assert min(norms) > 0.25  # every window was clipped, by the accumulator
+
+
+def test_arguments_changed_after_construction_are_the_ones_trained_with(tmp_path: Path) -> None:
+    """hyperparameter_search sets a trial's TrainingArguments on a built Trainer: the accumulator is built from
+    them when training starts, as plain Trainer reads them then, so both clip at the trial's max_grad_norm."""
+    trained = {}
+    for cls in (transformers.Trainer, GafusedTrainer):
+        trainer = _trainer(tmp_path / cls.__name__, cls, max_steps=3)  # built with max_grad_norm=0.7
+        trainer.args.max_grad_norm = 0.05
+        trainer.train()
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        assert len(norms) == 3 and min(norms) > 0.05  # every window clipped
+        trained[cls] = [p.detach().clone() for p in trainer.model.parameters()]
+    assert trainer.accumulator.max_grad_norm == 0.05
+    start = [p.detach() for p in cases.make_model().parameters()]
+    moved = sum(float((p - s).square().sum()) for p, s in zip(trained[transformers.Trainer], start, strict=True))
+    apart = sum(
+        float((p - q).square().sum())
+        for p, q in zip(trained[GafusedTrainer], trained[transformers.Trainer], strict=True)
+    )
+    assert (apart / moved) ** 0.5 < FP32_ERROR
+    trainer.args.fp16 = True  # and a trial's refused setting is refused when training starts
+    with pytest.raises(ValueError, match="fp16=True: GafusedTrainer does not support fp16"):
+        trainer.train()
 
 
 def test_a_plain_trainer_checkpoint_resumes_in_gafused_trainer(tmp_path: Path) -> None:

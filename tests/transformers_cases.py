@@ -258,12 +258,15 @@ def run_case(
 
 
 GAFUSED = "GafusedTrainer, num_items_in_batch"
+COMPILED = "GafusedTrainer, num_items_in_batch, torch_compile"
 CASES: dict[str, dict[str, Any]] = {
     "Trainer, num_items_in_batch": {"trainer": "own"},
     'Trainer, num_items_in_batch, loss_type="ForCausalLM" declared': {"trainer": "own", "loss": "declared"},
     "Trainer, per-micro-batch mean loss": {"trainer": "own", "loss": "mean"},
     GAFUSED: {"trainer": "gafused"},
     "GafusedTrainer, per-micro-batch mean loss": {"trainer": "gafused", "loss": "mean"},
+    # Accelerate compiles last: on 2 ranks the model is torch.compile's wrapper around the DDP module.
+    COMPILED: {"trainer": "gafused", "torch_compile": True, "torch_compile_backend": "eager"},
     # AdamW, whose state the checkpoint must carry for the resumed run to be bitwise equal.
     f"GafusedTrainer, resumed from checkpoint-{SAVE_AT} (AdamW)": {
         "trainer": "gafused",

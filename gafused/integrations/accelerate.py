@@ -315,8 +315,10 @@ def prepare(
             "adapter takes over accelerator.backward() and supports one optimizer per Accelerator"
         )
     # Accelerate records the model it was given (the DDP wrapper is only returned); torch.compile wraps last.
+    # (unwrap_model keeps a torch.compile wrapper by default; Accelerate recorded the module inside it.)
     unwrapped = accelerator.unwrap_model(model)
-    if not any(prepared is model or prepared is unwrapped for prepared in accelerator._models):
+    candidates = (model, unwrapped, getattr(unwrapped, "_orig_mod", unwrapped))
+    if not any(prepared is candidate for prepared in accelerator._models for candidate in candidates):
         raise TypeError(f"model must be the model returned by accelerator.prepare(), got {type(model).__name__}")
     distributed_type = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if distributed_type not in _SUPPORTED:
@@ -446,11 +448,34 @@ def _install(
         prepared._enter_block()
         do_sync()
 
-    accelerator.backward = backward
-    accelerator.trigger_sync_in_backward = trigger_sync_in_backward
-    accelerator._do_sync = counted_do_sync
-    accelerator.clip_grad_norm_ = refuse_clipping(clip_norm, "clip_grad_norm_")
-    accelerator.clip_grad_value_ = refuse_clipping(clip_value, "clip_grad_value_")
-    accelerator.register_save_state_pre_hook(save_window)
-    accelerator.register_load_state_pre_hook(load_window)
-    accelerator._gafused_optimizer = prepared
+    free_memory = accelerator.free_memory
+
+    def free_memory_and_uninstall(*objects: Any) -> Any:
+        """Accelerate's free_memory (also behind clear()), which forgets the prepared optimizer: gafused's
+        routing goes with it, so the accelerator can prepare a new run, with gafused or without."""
+        for name, value in replaced.items():
+            if value is None:
+                accelerator.__dict__.pop(name, None)
+            else:
+                accelerator.__dict__[name] = value
+        for handle in handles:
+            handle.remove()
+        return free_memory(*objects)
+
+    patches = {
+        "backward": backward,
+        "trigger_sync_in_backward": trigger_sync_in_backward,
+        "_do_sync": counted_do_sync,
+        "clip_grad_norm_": refuse_clipping(clip_norm, "clip_grad_norm_"),
+        "clip_grad_value_": refuse_clipping(clip_value, "clip_grad_value_"),
+        "free_memory": free_memory_and_uninstall,
+        "_gafused_optimizer": prepared,
+    }
+    # What the instance itself held under those names (None: nothing, the class's attribute showed through).
+    replaced = {name: accelerator.__dict__.get(name) for name in patches}
+    handles = [
+        accelerator.register_save_state_pre_hook(save_window),
+        accelerator.register_load_state_pre_hook(load_window),
+    ]
+    for name, value in patches.items():
+        setattr(accelerator, name, value)

@@ -143,7 +143,7 @@ class GafusedTrainer(transformers.Trainer):
         _check_trainer_internals(transformers.Trainer, _TRAINER_METHODS)
         # Refusals that the arguments alone decide come before Trainer builds anything.
         given = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
-        self._max_grad_norm = _clipping(given, options)
+        _clipping(given, dict(options))  # refused now if configured twice; read again when training starts
         if given is not None:
             _check_arguments(given)
         super().__init__(*args, **kwargs)
@@ -250,8 +250,13 @@ class GafusedTrainer(transformers.Trainer):
                     f"train(): the last window of the previous train() call is open ({inner.micro_step} micro-batches)"
                 )
             inner = inner.optimizer
+        # TrainingArguments as they are now: hyperparameter_search sets a trial's fields after construction.
+        _check_arguments(self.args)
+        options = dict(self._options)
+        max_grad_norm = _clipping(self.args, options)
         wrapped = None
         if self.args.world_size > 1:
+            model = getattr(model, "_orig_mod", model)  # torch_compile: Accelerate compiles the DDP module last
             if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 raise ValueError(
                     f"GafusedTrainer supports DistributedDataParallel across ranks; Trainer wrapped the model in "
@@ -261,10 +266,10 @@ class GafusedTrainer(transformers.Trainer):
         self.accumulator = GradAccumulator(
             inner,
             None,
-            self._max_grad_norm,
+            max_grad_norm,
             model=wrapped,
             normalization="sum" if self._sums else "mean",
-            **self._options,
+            **options,
         )
         accelerated.optimizer = self.accumulator
 
