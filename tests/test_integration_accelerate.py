@@ -278,6 +278,25 @@ def test_prepare_refuses_what_it_does_not_support(fresh_accelerate, monkeypatch:
     assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
 
 
+def test_prepare_refuses_an_accelerate_without_what_it_relies_on(
+    fresh_accelerate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter points Accelerate's schedulers at its optimizer and counts blocks in _do_sync: an Accelerate
+    without either is refused up front (a scheduler left on the old optimizer would step after a skipped window)."""
+    from accelerate import Accelerator
+
+    accelerator, model, optimizer, _, scheduler = _prepared()
+    optimizers = scheduler.optimizers
+    del scheduler.optimizers
+    with pytest.raises(RuntimeError, match="has no AcceleratedScheduler.optimizers"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+    scheduler.optimizers = optimizers
+    monkeypatch.delattr(Accelerator, "_do_sync")
+    with pytest.raises(RuntimeError, match=r"has no Accelerator\._do_sync"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+    assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
+
+
 def test_prepare_refuses_an_accumulator_inside_accelerates_optimizer(fresh_accelerate) -> None:
     """The recipe the issue started from: a GradAccumulator handed to accelerator.prepare() itself."""
     from accelerate import Accelerator

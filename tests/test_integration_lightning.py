@@ -265,6 +265,15 @@ def test_gradient_clip_val_is_refused() -> None:
     _fit_refused(TinyLM(0), ValueError, r"gradient_clip_val=1\.0.*max_grad_norm", gradient_clip_val=1.0)
 
 
+def test_a_lightning_without_the_accumulation_rule_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback reads Lightning's own window rule, a private method: one that is gone is named, up front."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    _, TinyLM, _ = cases._lightning_classes()
+    monkeypatch.delattr(_FitLoop, "_should_accumulate")
+    _fit_refused(TinyLM(0), RuntimeError, r"fit_loop\._should_accumulate\(\) \(Lightning 2\.x\)")
+
+
 def test_configure_optimizers_returning_an_accumulator_is_refused() -> None:
     _, TinyLM, _ = cases._lightning_classes()
 

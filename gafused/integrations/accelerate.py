@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 try:
+    import accelerate
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
@@ -295,6 +296,19 @@ def prepare(
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    for name in ("_do_sync", "_optimizers", "_schedulers", "_models"):
+        if not hasattr(accelerator, name):
+            raise RuntimeError(
+                f"accelerator: this Accelerate ({accelerate.__version__}) has no Accelerator.{name}, which gafused's "
+                "adapter needs (accelerate 1.x)"
+            )
+    stale = [s for s in accelerator._schedulers if isinstance(s, AcceleratedScheduler) and not hasattr(s, "optimizers")]
+    if stale:
+        raise RuntimeError(
+            f"accelerator: this Accelerate ({accelerate.__version__}) has no AcceleratedScheduler.optimizers, which "
+            "gafused's adapter points at its optimizer so that a skipped window does not step the scheduler "
+            "(accelerate 1.x)"
+        )
     if getattr(accelerator, "_gafused_optimizer", None) is not None:
         raise RuntimeError("accelerator: gafused.integrations.accelerate.prepare() was already called on it")
     if isinstance(optimizer, AcceleratedGradAccumulator):

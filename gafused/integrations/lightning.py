@@ -414,6 +414,11 @@ def _to_cpu(value: Any) -> Any:
 
 def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Refuse the configurations the callback cannot make exact, each with the reason and what to do instead."""
+    if not callable(getattr(trainer.fit_loop, "_should_accumulate", None)):
+        raise RuntimeError(
+            f"GradAccumulation needs Lightning's fit_loop._should_accumulate() (Lightning 2.x) to know its windows; "
+            f"this Lightning ({pl.__version__}) has none"
+        )
     if not pl_module.automatic_optimization:
         raise RuntimeError(
             "GradAccumulation works with automatic optimization; with manual optimization use "
