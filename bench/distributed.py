@@ -41,8 +41,11 @@ windows (3; 2 with ``--quick``) without it. Measured per window, every window an
   micro-batch gradients summed, averaged, clipped and stepped in float64, then rounded to fp32) and against
   ``ddp``'s, as ``||p - p_ref|| / ||p_ref - p_0||``; and the window's grad norm against float64's.
 
-The ranks keep freed memory for reuse (``RANK_ENVIRONMENT``). JSON (``--out``, default
-``bench/results/distributed-cpu.json``) with the torch version, CPU, date, world size and N, and a CSV beside it.
+The ranks keep freed memory for reuse (``RANK_ENVIRONMENT``). JSON (``--out``) with the torch version, CPU, date,
+world size and N, and a CSV beside it. Without ``--out`` only the run that makes the committed file
+(``--plain-fsdp2`` alone) writes ``bench/results/distributed-cpu.json``; any other run (``--quick``, ``--recipes``,
+``--no-memory``, or no ``--plain-fsdp2``) writes ``distributed-quick.json`` or ``distributed-cpu.json`` under
+``~/.cache/gafused/bench`` (``$XDG_CACHE_HOME/gafused/bench``), so a run by hand never overwrites the committed one.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ LR = 1.0  # a large step keeps the parameter change well above the rounding of p
 # gradient to 8 bits of mantissa.
 FP32_BOUND = 2e-5
 BF16_BOUND = 2.0**-8
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed-cpu.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed-cpu.json"  # the committed results
 
 
 @dataclass(frozen=True)
@@ -677,10 +680,23 @@ def run(quick: bool, names: list[str] | None = None, memory: bool = True) -> dic
     return {"meta": meta, "rows": rows}
 
 
+def default_out(args: argparse.Namespace) -> Path:
+    """Where results go without ``--out``: the committed file only from the run that makes it (``--plain-fsdp2``, at
+    full size, every default recipe, the memory window), the cache for every other run (module doc)."""
+    if args.plain_fsdp2 and not (args.quick or args.recipes or args.no_memory):
+        return DEFAULT_OUT
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gafused" / "bench"
+    return cache / ("distributed-quick.json" if args.quick else "distributed-cpu.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2's layout at hidden 64 (a few seconds)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"JSON file (default: {DEFAULT_OUT} for --plain-fsdp2 alone, else distributed-*.json in the cache)",
+    )
     names = ", ".join(recipe.name for recipe in RECIPES)
     parser.add_argument("--recipes", help=f"comma-separated, from {names} (ddp always runs)")
     parser.add_argument("--plain-fsdp2", action="store_true", help="add plain FSDP2 (fsdp2, fsdp2-no_sync) rows")
@@ -692,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names or ()) - {recipe.name for recipe in RECIPES}
     if unknown:
         parser.error(f"--recipes: unknown {sorted(unknown)}")
+    args.out = args.out or default_out(args)
     results = run(args.quick, names, memory=not args.no_memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -17,6 +17,13 @@ per-recipe number). That figure counts the caching allocator's blocks (requests 
 cached block handed out whole when the rest would be small), so two recipes' peaks can differ by a few MiB with
 the same tensors alive; the peak of the bytes requested (``requested_bytes.all.peak`` of
 ``torch.cuda.memory_stats``) is kept beside it, free of that rounding.
+
+Both peaks are reported net of the harness: what was allocated before the recipe's model was built (the timer's
+256 MiB cache-flush buffer, the token batch) is subtracted, so ``peak_memory_mb`` is the recipe's own model,
+optimizer state, accumulator and step. Not the allocation at the peak reset: that holds each recipe's persistent
+state (gafused's buffer, AdamW's moments), which differs between recipes and belongs in the comparison. The raw
+figures (``peak_memory_raw_mb``, ``peak_requested_raw_mb``) and what the harness held (``harness_mb``) are kept
+beside them; results written before this change have only the raw figure, as ``peak_memory_mb``.
 """
 
 from __future__ import annotations
@@ -231,12 +238,39 @@ def setup(device: torch.device, mode: str, max_grad_norm: float = 1.0, autocast:
     return Setup(config, model_class, use_autocast, build, recipes)
 
 
+def _memory_now(device: torch.device) -> tuple[int, int | None]:
+    """(bytes allocated, bytes requested) on ``device`` now; requested is None where the allocator has no count."""
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_stats(device).get("requested_bytes.all.current")
+
+
+def step_peak(step: Callable[[], None], device: torch.device, harness: tuple[int, int | None]) -> dict:
+    """Peak memory of one call of ``step`` on a GPU, net of ``harness`` (``_memory_now`` before the recipe existed)
+    and raw, in MiB (see the module doc)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    requested = torch.cuda.memory_stats(device).get("requested_bytes.all.peak")
+    harness_allocated, harness_requested = harness
+    net_requested = None if requested is None or harness_requested is None else requested - harness_requested
+    return {
+        "peak_memory_mb": (peak - harness_allocated) / 2**20,
+        "peak_requested_mb": None if net_requested is None else net_requested / 2**20,
+        "peak_memory_raw_mb": peak / 2**20,
+        "peak_requested_raw_mb": None if requested is None else requested / 2**20,
+        "harness_mb": harness_allocated / 2**20,
+    }
+
+
 def run_e2e(
     device: torch.device,
     mode: str,
     timer: Timer,
     max_grad_norm: float = 1.0,
     progress: ProgressFactory | None = None,
+    result: dict | None = None,
 ) -> dict:
     """Time one optimizer step of each recipe; returns the config and one row per recipe.
 
@@ -247,27 +281,30 @@ def run_e2e(
             ``E2E_MIN_REPS_GPU`` of them).
         max_grad_norm: clip threshold of every recipe.
         progress: the run's progress factory (see progress.py), or None.
+        result: filled in place and returned (``config`` first, then a ``rows`` entry per finished recipe), so a
+            caller whose run is stopped part-way keeps the recipes that finished; a new dict by default.
     """
     device = torch.device(device)
-    if device.type == "cuda" and timer.min_reps < E2E_MIN_REPS_GPU:
-        timer = Timer(device, timer.budget_s, E2E_MIN_REPS_GPU, max(timer.max_reps, E2E_MIN_REPS_GPU), timer.warmup)
+    min_reps = E2E_MIN_REPS_GPU if device.type == "cuda" else None
     run = setup(device, mode, max_grad_norm)
     config = run.config
-    rows = []
+    result = {} if result is None else result
+    result["config"] = {
+        **config.__dict__,
+        "parameters": sum(p.numel() for p in run.model_class(config).parameters()),
+        "autocast_bf16": run.use_autocast,
+        "model": run.model_name,
+    }
+    result["rows"] = rows = []
     bar = open_bar(progress, "end to end (training steps)", total=len(run.recipes))
     for label, accumulation, make_step in run.recipes:
+        harness = _memory_now(device) if device.type == "cuda" else None
         model, optimizer = run.build()
         step = make_step(model, optimizer)
-        timing = timer.measure(step)
-        peak_mb = requested_mb = None
+        timing = timer.measure(step, min_reps=min_reps)
+        peaks = {"peak_memory_mb": None, "peak_requested_mb": None}
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            step()
-            torch.cuda.synchronize(device)
-            peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
-            requested = torch.cuda.memory_stats(device).get("requested_bytes.all.peak")
-            requested_mb = None if requested is None else requested / 2**20
+            peaks = step_peak(step, device, harness)
         rows.append(
             {
                 "recipe": label,
@@ -278,8 +315,7 @@ def run_e2e(
                 "q80_ms": timing.q80_ms,
                 "reps": timing.reps,
                 "samples_per_s": config.batch / (timing.median_ms * 1e-3),
-                "peak_memory_mb": peak_mb,
-                "peak_requested_mb": requested_mb,
+                **peaks,
             }
         )
         del model, optimizer, step
@@ -288,13 +324,4 @@ def run_e2e(
             torch.cuda.empty_cache()
         bar.update()
     bar.close()
-    parameters = sum(p.numel() for p in run.model_class(config).parameters())
-    return {
-        "config": {
-            **config.__dict__,
-            "parameters": parameters,
-            "autocast_bf16": run.use_autocast,
-            "model": run.model_name,
-        },
-        "rows": rows,
-    }
+    return result

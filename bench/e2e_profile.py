@@ -15,7 +15,9 @@ window and reports what the table cannot show:
     python bench/e2e_profile.py --out DIR            # the e2e model of the device (GPT-2 124M on a GPU)
     python bench/e2e_profile.py --quick --out DIR    # the tiny model (CPU smoke run)
 
-Writes ``<device>-<date>-e2e-profile.json`` and ``.txt`` to ``--out``.
+Writes ``<device>-<date>-e2e-profile.json`` and ``.txt`` to ``--out``. Stopped by SIGTERM (bench/gpu_check.sh's
+time limit) or Ctrl-C, it writes the recipes profiled so far, marked partial (``meta.interrupted``), and exits
+with 143 (130).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import interrupt  # noqa: E402
 import provenance  # noqa: E402
 from timing import profiler_activities  # noqa: E402
 
@@ -158,12 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     recipes = {label: make for label, accumulation, make in run.recipes if accumulation > 1}
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results = {
-        "meta": {"device": label, "warmup": args.warmup},
+        "meta": {"device": label, "warmup": args.warmup, "interrupted": None},
         "config": {**run.config.__dict__, "model": run.model_name},
-        "recipes": {name: profile_recipe(make, run.build, device, args.warmup) for name, make in recipes.items()},
+        "recipes": {},
     }
-    provenance.save_report(args.out, device, label, "e2e-profile", results, format_report(results))
-    return 0
+    stop = name = None
+    with interrupt.sigterm_raises():
+        try:
+            for name, make in recipes.items():
+                results["recipes"][name] = profile_recipe(make, run.build, device, args.warmup)
+        except interrupt.STOPPED as stopped:
+            stop = stopped
+            results["meta"]["interrupted"] = interrupt.describe(stopped, name)
+    with interrupt.sigterm_ignored():
+        provenance.save_report(args.out, device, label, "e2e-profile", results, format_report(results))
+    return 0 if stop is None else interrupt.exit_status(stop)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ small its time is almost all host work: Python, dispatch, argument checks, table
 any multi-tensor accumulation can do: one ``torch._foreach_add_(main_grads, grads)`` over the same tensors.
 docs/design.md section 3 holds a CPU middle micro-step to at most 1.5x that baseline.
 
+With 16-bit gradients (``--dtype bf16``) the baseline adds bf16 gradients into fp32 accumulators: the dtypes
+differ, so torch's multi-tensor fast path does not apply and ``_foreach_add_`` falls back to one op per tensor
+(on a GPU, a kernel per tensor: the committed H200 micro-benchmark counts 148 for GPT-2's 148 gradients). A GPU
+comparison against that baseline is one against that fallback. The row ``torch._foreach_add_ same dtype`` (only
+then) gives the one-kernel floor: the same call with gradients already in the accumulators' dtype.
+
 Rows (``rows()``) measure, per backend that runs on the device:
 - ``fold_``: ``gafused.ops.fold_`` with its gradient check (``ops.check_grads``), the op a wrapper calls per buffer;
 - ``fold_ check=False``: the same without the check: dispatch and backend alone;
@@ -20,7 +26,9 @@ with its kernel launches skipped: gafused's own host work per call (checks, tabl
 launcher or the interpreter, which a GPU run adds.
 Each row gives the median and 20/80% quantiles in microseconds and the ratio to the baseline's median.
 Timings use ``time.perf_counter`` around each call, the cases' samples interleaved; the gradients are handed
-back to the parameters untimed before every ``step`` sample, as backward would.
+back to the parameters untimed before every ``step`` sample, as backward would. Stopped by SIGTERM (the time
+limit of bench/gpu_check.sh) or Ctrl-C after at least two samples of every case, it prints the table of the
+samples taken so far, says how many, and exits with 143 (130).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import interrupt
 import torch
 
 import gafused
@@ -90,7 +99,9 @@ def rows(
 
     Returns:
         One dict per measurement: ``what``, ``backend``, ``tensors``, ``numel``, ``median_us``, ``q20_us``,
-        ``q80_us`` and ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline).
+        ``q80_us``, ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline), ``reps``
+        (samples taken) and ``interrupted`` (None, or what ``interrupt.describe`` says of a SIGTERM or Ctrl-C that
+        stopped the sampling after at least two rounds: the rows then hold the rounds taken).
     """
     device = torch.device(device)
     if tensors < 1 or numel < 1:
@@ -104,6 +115,11 @@ def rows(
     cases: list[tuple[str, str, Callable[[], object], Callable[[], object] | None]] = [
         ("torch._foreach_add_", "-", lambda: torch._foreach_add_(main_grads, grads), None)
     ]
+    if dtype != accum_dtype:
+        # Mixed dtypes keep the baseline off torch's multi-tensor fast path (module doc): the one-kernel floor.
+        same_grads = [grad.to(accum_dtype) for grad in grads]
+        same_mains = [torch.zeros_like(main) for main in main_grads]
+        cases.append(("torch._foreach_add_ same dtype", "-", lambda: torch._foreach_add_(same_mains, same_grads), None))
     # The per-parameter Python floor of owning p.grad, whatever the backend: reading every p.grad, and releasing
     # every one (p.grad = None) after the fold.
     held = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(tensors)]
@@ -153,23 +169,32 @@ def rows(
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: list[list[float]] = [[] for _ in cases]
+    stopped = None
     # Samples of all cases are interleaved, so load from other processes on a shared machine falls on each alike.
-    for rep in range(warmup + reps):
-        for index, (_, _, run, prepare) in enumerate(cases):
-            if prepare is not None:
-                prepare()
-            synchronize()
-            start = time.perf_counter()
-            run()
-            elapsed = (time.perf_counter() - start) * 1e6
-            if rep >= warmup:
-                samples[index].append(elapsed)
+    try:
+        for rep in range(warmup + reps):
+            for index, (_, _, run, prepare) in enumerate(cases):
+                if prepare is not None:
+                    prepare()
+                synchronize()
+                start = time.perf_counter()
+                run()
+                elapsed = (time.perf_counter() - start) * 1e6
+                if rep >= warmup:
+                    samples[index].append(elapsed)
+    except interrupt.STOPPED as stop:
+        taken = min(len(times) for times in samples)  # whole rounds only: every case the same count
+        if taken < 2:
+            raise
+        samples = [times[:taken] for times in samples]
+        stopped = interrupt.describe(stop, f"sampling, after {taken} of {reps} rounds")
     results: list[dict[str, object]] = []
     for (what, backend, _, _), times in zip(cases, samples, strict=True):
         q = statistics.quantiles(times, n=5)
         results.append(
             {"what": what, "backend": backend, "tensors": tensors, "numel": numel,
-             "median_us": statistics.median(times), "q20_us": q[0], "q80_us": q[3]}
+             "median_us": statistics.median(times), "q20_us": q[0], "q80_us": q[3], "reps": len(times),
+             "interrupted": stopped}
         )  # fmt: skip
     baseline = results[0]["median_us"]
     for row in results:
@@ -177,8 +202,8 @@ def rows(
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print the host-cost table for the command-line sizes."""
+def main(argv: list[str] | None = None) -> int:
+    """Print the host-cost table for the command-line sizes; 143 (130) when SIGTERM (Ctrl-C) cut it short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=1024)
     parser.add_argument("--numel", type=int, default=64)
@@ -189,18 +214,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
+    with interrupt.sigterm_raises():
+        table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
+    stopped = table[0]["interrupted"]
+    if stopped:
+        print(f"PARTIAL RESULTS: stopped by {stopped['signal']} during {stopped['during']}")
     print(
         f"middle micro-step, {args.tensors} x {args.numel} {args.dtype} on {args.device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s)"
+        f"{torch.get_num_threads()} thread(s), {table[0]['reps']} samples per row"
     )
-    print(f"{'what':<22} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10}")
+    print(f"{'what':<30} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10}")
     for row in table:
         print(
-            f"{row['what']:<22} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
+            f"{row['what']:<30} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
             f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f}"
         )
+    return 143 if stopped and stopped["signal"] == "SIGTERM" else 130 if stopped else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -19,6 +19,8 @@ and repeats the Triton folds with each (block size, warps) of ``--configs`` in p
 
 Writes ``<device>-<date>-kernel-configs.json`` and ``-kernel-configs.txt`` (the table) to ``--out``. GB/s counts
 the bytes an op must move (``traffic.op_bytes_per_element``) against ``copy_`` of the buffer in the same run.
+Stopped by SIGTERM (bench/gpu_check.sh's time limit) or Ctrl-C, it writes the rows measured so far, marked
+partial (``meta.interrupted``, ``meta.complete``), and exits with 143 (130).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import provenance  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import interrupt  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
+import provenance  # noqa: E402
 import traffic  # noqa: E402
 from kernels import GRAD_DTYPES, SEGMENTS, op_call  # noqa: E402
 from timing import Timer, copy_bandwidth_gbps  # noqa: E402
@@ -111,17 +114,27 @@ class _Config:
         self._layout.launch_config, self._fold.fold_num_warps = self._saved
 
 
-def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, int]], reps: int) -> list[dict]:
+def run(
+    device: torch.device,
+    sizes_mb: list[float],
+    configs: list[tuple[int, int]],
+    reps: int,
+    rows: list[dict] | None = None,
+    where: dict | None = None,
+) -> list[dict]:
     """One row per (size, backend, config, op, grad dtype); see the module docstring.
 
-    Off a GPU (a smoke test: Triton under TRITON_INTERPRET=1) only the idle times are taken.
+    Off a GPU (a smoke test: Triton under TRITON_INTERPRET=1) only the idle times are taken. ``rows``: the list each
+    row is appended to as it is measured (a new one by default; returned), so a caller stopped part-way keeps them;
+    ``where["during"]`` names the size, backend and configuration being measured.
     """
     timer = Timer(device, budget_s=0.25, min_reps=min(5, reps), max_reps=reps, warmup=2)
     flush = torch.empty(256 * _MB, dtype=torch.uint8, device=device)
     backends = [b for b in ("triton", "cuda") if b in gafused.available_backends(device)]
     if not backends:
         raise RuntimeError(f"neither fused backend runs on {device}: {gafused.available_backends(device)}")
-    rows = []
+    rows = [] if rows is None else rows
+    where = {} if where is None else where
     for size_mb in sizes_mb:
         numel = int(size_mb * _MB) // 4
         segment = numel // SEGMENTS
@@ -134,6 +147,7 @@ def run(device: torch.device, sizes_mb: list[float], configs: list[tuple[int, in
         plan = [(backend, None) for backend in backends]
         plan += [("triton", config) for config in configs if "triton" in backends]
         for backend, config in plan:
+            where["during"] = f"{size_mb} MB, {backend}, config {'default' if config is None else config}"
             with _Config(config):
                 buffer = gafused.FlatGradBuffer(params)  # a new buffer: its block table is built under the config
                 buffer.data.normal_()
@@ -199,11 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 3 or any(s < 1 for s in sizes):
         parser.error("--reps must be >= 3 and every --sizes-mb entry >= 1")
     device = torch.device("cuda")
-    rows = run(device, sizes, configs, args.reps)
-    results = {"meta": {"reps": args.reps}, "rows": rows}
-    provenance.save_report(args.out, device, torch.cuda.get_device_name(device), "kernel-configs", results,
-                           format_table(rows))  # fmt: skip
-    return 0
+    rows: list[dict] = []
+    where: dict = {"during": None}
+    stop = None
+    with interrupt.sigterm_raises():
+        try:
+            run(device, sizes, configs, args.reps, rows, where)
+        except interrupt.STOPPED as stopped:
+            stop = stopped
+    with interrupt.sigterm_ignored():
+        meta = {"reps": args.reps, "interrupted": None if stop is None else interrupt.describe(stop, where["during"])}
+        provenance.save_report(args.out, device, torch.cuda.get_device_name(device), "kernel-configs",
+                               {"meta": meta, "rows": rows}, format_table(rows))  # fmt: skip
+    return 0 if stop is None else interrupt.exit_status(stop)
 
 
 if __name__ == "__main__":

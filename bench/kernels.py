@@ -91,7 +91,11 @@ def op_call(op: str, buffer: gafused.FlatGradBuffer, grads: list[torch.Tensor], 
 
 
 def run_kernel_sweep(
-    device: torch.device, mode: str, timer: Timer, progress: ProgressFactory | None = None
+    device: torch.device,
+    mode: str,
+    timer: Timer,
+    progress: ProgressFactory | None = None,
+    rows: list[dict] | None = None,
 ) -> list[dict]:
     """Time every op of every gafused backend that runs on ``device`` at every sweep size.
 
@@ -101,11 +105,13 @@ def run_kernel_sweep(
         mode: "quick", "default" or "full": which sizes (``sweep_sizes``).
         timer: the run's timer.
         progress: the run's progress factory (see progress.py), or None.
+        rows: the list each row is appended to as soon as it is measured (so a caller whose run is stopped keeps
+            the rows already measured); a new one by default. Returned.
     """
     backends = [b for b in gafused.available_backends(device) if not (b == "triton" and device.type != "cuda")]
     sizes = sweep_sizes(device.type, mode)
     per_size = len(backends) * sum(len(_ops_for(name)) for name in GRAD_DTYPES)
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
     with open_bar(progress, "kernel sweep (ops vs copy_)", total=len(sizes) * per_size) as bar:
         for acc_bytes in sizes:
             if not _fits(device, acc_bytes):

@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import correctness  # noqa: E402 - bench/ modules are imported as siblings, after the path is set
 import e2e  # noqa: E402
+import interrupt  # noqa: E402
 import kernels  # noqa: E402
 import param_sets  # noqa: E402
 import plots  # noqa: E402
@@ -150,24 +152,54 @@ def _compile_skip_reason(args, sets, dtype_index: int, param_set) -> str | None:
 
 
 def _measure_provider(name, params, pool, args, device, timer, progress, set_name) -> dict:
-    """Middle and last micro-batch of one provider: timings and launch counts, or the reason it did not run."""
+    """Middle and last micro-batch of one provider: timings and launch counts, or the reason it did not run.
+
+    Whatever happens, every ``p.grad`` is released before it returns: a finished provider leaves its gradients
+    there, and the next provider must not allocate its own while they are alive (``_memory_needed`` counts one
+    provider's memory at a time).
+    """
     result = {}
-    provider = providers.make_provider(name, params, pool, args.accumulation_steps, max_grad_norm=1.0)
-    if name == "compiled":
-        # torch.compile builds one graph per function on its first call: the fold, then the finish.
-        with progress_bars.open_bar(progress, f"compile warm-up ({set_name})", total=2) as bar:
-            for moment in MEASURED_MOMENTS:
-                provider.prepare(moment)
-                provider.step()
-                bar.update()
-    result["backend"] = getattr(getattr(provider, "accumulator", None), "backend", None)
-    for moment in MEASURED_MOMENTS:
-        prepare = functools.partial(provider.prepare, moment)
-        result[moment] = (
-            timer.measure(provider.step, prepare),
-            timing.count_launches(provider.step, prepare, device),
-        )
-    return result
+    try:
+        provider = providers.make_provider(name, params, pool, args.accumulation_steps, max_grad_norm=1.0)
+        if name == "compiled":
+            # torch.compile builds one graph per function on its first call: the fold, then the finish. Their wall
+            # time (a few untimed micro-steps with them) is recorded: the compile cost a user pays once.
+            with progress_bars.open_bar(progress, f"compile warm-up ({set_name})", total=2) as bar:
+                began = time.perf_counter()
+                for moment in MEASURED_MOMENTS:
+                    provider.prepare(moment)
+                    provider.step()
+                    bar.update()
+                _synchronize(device)
+                result["compile_warmup_s"] = time.perf_counter() - began
+        result["backend"] = getattr(getattr(provider, "accumulator", None), "backend", None)
+        for moment in MEASURED_MOMENTS:
+            prepare = functools.partial(provider.prepare, moment)
+            result[moment] = (
+                timer.measure(provider.step, prepare),
+                timing.count_launches(provider.step, prepare, device),
+            )
+        return result
+    finally:
+        for param in params:
+            param.grad = None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_nbytes(param_set: param_sets.ParamSet, device: torch.device, quick: bool) -> int:
+    """Bytes of the ``copy_`` a set's rows are compared with: the set's fp32 accumulator (its calls move 10-20 bytes
+    per element, the copy 8), at least 1 GiB on a GPU or 64 MiB on CPU (a quarter of either in --quick), and on a
+    GPU at most 40% of free memory per buffer (source and target)."""
+    floor = (2**30 if device.type == "cuda" else 64 * 2**20) // (4 if quick else 1)
+    nbytes = max(param_set.numel * 4, floor)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        nbytes = min(nbytes, int(0.4 * free))
+    return nbytes
 
 
 def _selected_sets(args, device: torch.device, mode: str) -> list[param_sets.ParamSet]:
@@ -197,8 +229,23 @@ def _selected_providers(args, device: torch.device) -> list[str]:
     return names
 
 
-def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float, progress) -> list[dict]:
-    """Every (set, dtype, provider, moment) row of the accumulation micro-benchmark."""
+def run_micro(
+    args,
+    device: torch.device,
+    timer: timing.Timer,
+    progress,
+    rows: list[dict] | None = None,
+    where: dict | None = None,
+    after_block: Callable[[], object] | None = None,
+) -> list[dict]:
+    """Every (set, dtype, provider, moment) row of the accumulation micro-benchmark.
+
+    Args:
+        rows: the list rows are appended to as they are measured, so a caller whose run is stopped keeps them; a
+            new one by default. Returned, with the speedups filled in.
+        where: a dict whose ``during`` names the set, dtype and provider being measured (for an interruption).
+        after_block: called after each (set, dtype) block, e.g. to save what is measured so far.
+    """
     mode = _mode(args)
     sets = _selected_sets(args, device, mode)
     names = _selected_providers(args, device)
@@ -206,9 +253,11 @@ def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float,
     if set(dtypes) - set(DTYPES):
         raise SystemExit(f"--dtypes must be a subset of {list(DTYPES)}, got {args.dtypes}")
 
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
+    where = {} if where is None else where
     bar = progress_bars.open_bar(progress, "accumulation micro-benchmark", total=len(sets) * len(dtypes) * len(names))
     for param_set in sets:
+        copy = None  # (GB/s, bytes moved) of this set's copy_, measured once for both dtypes
         for dtype_index, dtype_name in enumerate(dtypes):
             dtype = DTYPES[dtype_name]
             base = {
@@ -224,12 +273,20 @@ def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float,
                 needed = _memory_needed(param_set, dtype)
                 if needed > 0.9 * free:
                     skip_all = f"skipped: needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            if skip_all is None and copy is None:
+                where["during"] = f"micro-benchmark: {param_set.name}, copy_ bandwidth"
+                nbytes = _copy_nbytes(param_set, device, args.quick)
+                copy = (timing.copy_bandwidth_gbps(timer, nbytes)[0], traffic.copy_bytes(nbytes))
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the copy's buffers back to the device before the set's tensors
             params = pool = None
             if skip_all is None:
                 params = [torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device)) for s in param_set.shapes]
                 # One gradient set suffices: caches are flushed before every sample (see timing.py).
                 pool = [[torch.randn(s, dtype=dtype, device=device) for s in param_set.shapes]]
             for name in names:
+                where["during"] = f"micro-benchmark: {param_set.name} {dtype_name} {name}"
                 status = skip_all
                 if status is None and name == "compiled":
                     status = _compile_skip_reason(args, sets, dtype_index, param_set)
@@ -248,19 +305,24 @@ def run_micro(args, device: torch.device, timer: timing.Timer, copy_gbps: float,
                 for moment in MEASURED_MOMENTS:
                     row = {**base, "provider": name, "moment": moment, "status": status}
                     if measured is not None:
-                        row.update(_row_numbers(measured[moment], moment, param_set, dtype, copy_gbps))
+                        row.update(_row_numbers(measured[moment], moment, param_set, dtype, copy))
                         row["backend"] = measured["backend"]
+                        if "compile_warmup_s" in measured:
+                            row["compile_warmup_s"] = measured["compile_warmup_s"]
                     rows.append(row)
                 bar.update()
             del params, pool
             gc.collect()
+            if after_block is not None:
+                after_block()
     bar.close()
     _add_speedups(rows)
     return rows
 
 
-def _row_numbers(measured, moment, param_set, dtype, copy_gbps) -> dict:
+def _row_numbers(measured, moment, param_set, dtype, copy) -> dict:
     timed, launches = measured
+    copy_gbps, copy_bytes = copy
     nbytes = traffic.min_bytes(moment, param_set.numel, dtype)
     gbps = nbytes / (timed.median_ms * 1e-3) / 1e9
     return {
@@ -272,6 +334,8 @@ def _row_numbers(measured, moment, param_set, dtype, copy_gbps) -> dict:
         "min_bytes": nbytes,
         "gbps": gbps,
         "fraction_of_copy_bw": gbps / copy_gbps,
+        "copy_gbps": copy_gbps,
+        "copy_bytes": copy_bytes,
         "launches": launches,
         "page_faults": timed.page_faults,
     }
@@ -328,6 +392,9 @@ def format_e2e_table(result: dict, device_label: str) -> str:
             f"{r['recipe']:<42} {r['ms_per_step']:>9.2f} {quantiles:>19} {r['samples_per_s']:>10.1f} {peak:>10} "
             f"{requested:>10}"
         )
+    harness = sorted({round(r["harness_mb"]) for r in result["rows"] if r.get("harness_mb") is not None})
+    if harness:  # newer results: peaks net of what the benchmark itself held (e2e.py's module doc)
+        lines.append(f"peaks net of the harness's {'/'.join(map(str, harness))} MiB (raw peaks in the JSON)")
     return "\n".join(lines)
 
 
@@ -356,13 +423,38 @@ def _write_csv(rows: list[dict], path: Path, device_label: str, date_utc: str) -
             writer.writerow({"device": device_label, "date_utc": date_utc, **row})
 
 
+def _status_line(meta: dict) -> str | None:
+    """A results file that is not complete says so first: stopped (and where), or still being written."""
+    stopped = meta.get("interrupted")
+    if stopped:
+        return (
+            f"PARTIAL RESULTS: stopped by {stopped['signal']} after {stopped['after_s']:.0f} s, during "
+            f"{stopped['during'] or 'setup'}; only the parts and rows below were measured"
+        )
+    if meta.get("complete") is False:
+        return "PARTIAL RESULTS: the run was still measuring when this was written (killed, or not finished yet)"
+    return None
+
+
 def _tables(results: dict) -> str:
     """Every table of the run in full: the ``-tables.txt`` file (and stdout with ``--verbose``)."""
     meta = results["meta"]
+    copies = {(r["set"], r["copy_gbps"], r["copy_bytes"]) for r in results.get("micro") or [] if "copy_gbps" in r}
+    copy_lines = [
+        f"copy bandwidth for {name}: {gbps:.1f} GB/s ({nbytes / 2 / 2**20:.0f} MiB copy_, read + write)"
+        for name, gbps, nbytes in sorted(copies)
+    ]
     parts = [
-        f"gafused {meta['gafused']} benchmarks on {meta['device']}, torch {meta['torch']}, {meta['date_utc']}, "
-        f"{meta['mode']} run\ncopy bandwidth: {meta['copy_bandwidth_gbps']:.1f} GB/s "
-        f"({meta['copy_bytes'] / 2 / 2**20:.0f} MiB copy_, read + write)",
+        "\n".join(
+            line
+            for line in (
+                _status_line(meta),
+                f"gafused {meta['gafused']} benchmarks on {meta['device']}, torch {meta['torch']}, "
+                f"{meta['date_utc']}, {meta['mode']} run",
+                *copy_lines,
+            )
+            if line
+        )
     ]
     if results.get("memory"):
         parts.append("memory (peak bytes per parameter)\n" + "\n".join(
@@ -383,6 +475,53 @@ def _tables(results: dict) -> str:
     if results.get("kernels"):
         parts.append(kernels.format_kernel_table(results["kernels"]))
     return "\n\n".join(parts) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a process killed mid-write leaves the last version."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def _save(results: dict, stem: Path) -> list[Path]:
+    """Write the JSON, the tables and the CSVs of ``results`` as they stand (called after every part and at the
+    end); returns the paths, tables first."""
+    _add_speedups(results["micro"])
+    meta = results["meta"]
+    tables = stem.with_name(f"{stem.name}-tables.txt")
+    written = [tables, stem.with_suffix(".json")]
+    _atomic_write(stem.with_suffix(".json"), json.dumps(results, indent=1))
+    _atomic_write(tables, _tables(results))
+    for name in ("micro", "kernels"):
+        if results[name]:
+            path = stem.with_name(f"{stem.name}-{name}.csv")
+            _write_csv(results[name], path, meta["device"], meta["date_utc"])
+            written.append(path)
+    return written
+
+
+def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progress, results: dict, where: dict,
+               save: Callable[[], object]) -> None:  # fmt: skip
+    """Every part the arguments ask for, each result stored in ``results`` as it comes and saved after each part."""
+    if not args.kernels_only:
+        where["during"] = "memory and correctness"
+        # The Triton count runs in a child process beside the untimed parts (memory, correctness).
+        count = triton_launches.Count().start() if device.type == "cpu" else None
+        results["memory"], results["memory_status"] = run_memory(MEMORY_QUICK[mode], progress, device)
+        results["correctness"] = correctness.run_correctness(progress)
+        results["triton_launches"] = count.result() if count is not None else None
+        save()
+        run_micro(args, device, timer, progress, rows=results["micro"], where=where, after_block=save)
+    if not (args.no_e2e or args.kernels_only):
+        where["during"] = "end to end"
+        results["e2e"] = {}
+        e2e.run_e2e(device, mode, timer, progress=progress, result=results["e2e"])
+        save()
+    if not args.no_kernels:
+        where["during"] = "kernel sweep"
+        kernels.run_kernel_sweep(device, mode, timer, progress, rows=results["kernels"])
+    where["during"] = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,21 +560,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     budget_s, min_reps, max_reps, warmup = _TIMER[mode]
     timer = timing.Timer(device, budget_s=budget_s, min_reps=min_reps, max_reps=max_reps, warmup=warmup)
-    copy_nbytes = (256 if device.type == "cuda" else 64) * 2**20 // (4 if args.quick else 1)
-    copy_gbps, _ = timing.copy_bandwidth_gbps(timer, copy_nbytes)
-
-    results: dict = {"memory": None, "memory_status": None, "correctness": None, "triton_launches": None}
-    if not args.kernels_only:
-        # The Triton count runs in a child process beside the untimed parts (memory, correctness).
-        count = triton_launches.Count().start() if device.type == "cpu" else None
-        results["memory"], results["memory_status"] = run_memory(MEMORY_QUICK[mode], progress, device)
-        results["correctness"] = correctness.run_correctness(progress)
-        results["triton_launches"] = count.result() if count is not None else None
-    rows = [] if args.kernels_only else run_micro(args, device, timer, copy_gbps, progress)
-    e2e_result = None
-    if not (args.no_e2e or args.kernels_only):
-        e2e_result = e2e.run_e2e(device, mode, timer, progress=progress)
-    kernel_rows = [] if args.no_kernels else kernels.run_kernel_sweep(device, mode, timer, progress)
 
     suffix = ("" if mode == "default" else f"-{mode}") + ("-kernels-only" if args.kernels_only else "")
     stem = out / f"{provenance.slug(device_label)}-{now:%Y%m%d-%H%M%S}{suffix}"
@@ -444,18 +568,26 @@ def main(argv: list[str] | None = None) -> int:
         "device_type": device.type,
         "date_utc": now.isoformat(timespec="seconds"),
         "mode": mode,
+        # False until every part asked for has run; "interrupted" says where a stopped run stopped (SIGTERM, e.g.
+        # bench/gpu_check.sh's time limit, or Ctrl-C), None otherwise.
+        "complete": False,
+        "interrupted": None,
         "torch": torch.__version__,
         "gafused": gafused.__version__,
         "python": platform.python_version(),
         **provenance.facts(device),
+        # The GPU end-to-end model is transformers' GPT-2 when transformers is importable (e2e.config.model).
+        "transformers": provenance.package_version("transformers"),
         "cpu_threads": torch.get_num_threads(),
         # What backend="auto" runs here; each gafused-<backend> row and kernel row names its own backend.
         "default_backend": gafused.ops.resolve_backend("auto", device),
         "quick": args.quick,
         "accumulation_steps": args.accumulation_steps,
         "max_grad_norm": 1.0,
-        "copy_bandwidth_gbps": copy_gbps,
-        "copy_bytes": traffic.copy_bytes(copy_nbytes),
+        "copy": (
+            "micro rows: copy_gbps of a copy_ of the set's fp32 accumulator (at least 1 GiB on a GPU, 64 MiB on CPU; "
+            "a quarter in --quick), copy_bytes read + written; kernel rows: a copy_ of the buffer's own size"
+        ),
         "launch_unit": timing.launch_unit(device),
         "notes": (
             "CPU: no fused GPU kernel runs; copy_ also reads each destination line before writing it "
@@ -471,29 +603,51 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": timer.warmup,
         },
         # Other work on the machine stretches times: the 1-minute load average at the run's start and end.
-        "load_average_1min": [load_before, _load_average()],
+        "load_average_1min": [load_before, None],
         "sets": {s.name: s.description for s in param_sets.default_sets(device.type, mode)},
+        "seconds": None,
     }
-    results = {"meta": meta, **results, "micro": rows, "e2e": e2e_result, "kernels": kernel_rows}
-    summary_path = stem.with_name(f"{stem.name}-summary.txt")
-    written = [summary_path, stem.with_name(f"{stem.name}-tables.txt"), stem.with_suffix(".json")]
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    tables = _tables(results)
-    written[1].write_text(tables)
-    for table, name in ((rows, "micro"), (kernel_rows, "kernels")):
-        if table:
-            path = stem.with_name(f"{stem.name}-{name}.csv")
-            _write_csv(table, path, device_label, meta["date_utc"])
-            written.append(path)
-    if not args.no_plots:
-        written += plots.write_all(results, stem, list(providers.PROVIDERS))
-    screen = summary.render(results, written, time.perf_counter() - started)
-    summary_path.write_text(screen + "\n")
+    results: dict = {"meta": meta, "memory": None, "memory_status": None, "correctness": None,
+                     "triton_launches": None, "micro": [], "e2e": None, "kernels": []}  # fmt: skip
+
+    def save() -> list[Path]:
+        meta["seconds"] = round(time.perf_counter() - started, 1)
+        return _save(results, stem)
+
+    where: dict = {"during": None}
+    stop = None
+    with interrupt.sigterm_raises():
+        try:
+            _run_parts(args, mode, device, timer, progress, results, where, save)
+        except interrupt.STOPPED as stopped:
+            stop = stopped
+            meta["interrupted"] = {
+                **interrupt.describe(stopped, where["during"]),
+                "after_s": round(time.perf_counter() - started, 1),
+            }
+    with interrupt.sigterm_ignored():  # the last writes, complete or not, are not cut short by a (second) SIGTERM
+        results["e2e"] = results["e2e"] or None  # a run stopped before the first recipe's config
+        meta["complete"] = stop is None
+        meta["load_average_1min"][1] = _load_average()
+        summary_path = stem.with_name(f"{stem.name}-summary.txt")
+        written = [summary_path, *save()]
+        # A stopped run has little time before SIGKILL: the figures can be drawn later with --plot-only.
+        if not args.no_plots and stop is None:
+            written += plots.write_all(results, stem, list(providers.PROVIDERS))
+        screen = summary.render(results, written, time.perf_counter() - started)
+        summary_path.write_text(screen + "\n")
     if args.verbose:
-        print(tables)
+        print(_tables(results))
     print(screen, flush=True)
+    if stop is not None:
+        info = meta["interrupted"]
+        partial = f"partial: stopped by {info['signal']} during {info['during'] or 'setup'}"
+        print(
+            f"wrote {stem.with_suffix('.json')} ({partial}; --plot-only draws its figures)", file=sys.stderr, flush=True
+        )
+        return interrupt.exit_status(stop)
     print(f"wrote {stem.with_suffix('.json')}", file=sys.stderr, flush=True)
-    failed = [r for r in rows + kernel_rows if str(r.get("status", "ok")).startswith("failed")]
+    failed = [r for r in results["micro"] + results["kernels"] if str(r.get("status", "ok")).startswith("failed")]
     if failed:
         print(f"{len(failed)} row(s) failed; see the status column of {written[1]}", file=sys.stderr)
         return 1

@@ -176,7 +176,11 @@ def _launches(results: dict) -> list[str]:
             )
         lines += _wrap(text)
     else:
-        lines += _wrap("host ms: how long the call kept the Python thread busy (launches), device work excluded.")
+        lines += _wrap(
+            "host ms: how long a middle micro-step kept the Python thread busy: its launches, without waiting for "
+            "the kernels. A last micro-step's host time (in -tables.txt) is not launch time alone: gafused's waits "
+            "for the device once, reading the norm back (.tolist())."
+        )
     return lines
 
 
@@ -244,6 +248,13 @@ def _e2e(results: dict) -> list[str]:
         if row.get("peak_requested_mb") is not None:
             peak += f" ({row['peak_requested_mb']:.3f} MiB requested)"
         lines.append(f"  {row['recipe']:<48} {row['ms_per_step']:>8.1f} ms per optimizer step{peak}")
+    harness = {round(row["harness_mb"]) for row in result["rows"] if row.get("harness_mb") is not None}
+    if harness:
+        lines += _wrap(
+            f"Peaks: torch.cuda.max_memory_allocated over one step, less what the benchmark itself held before the "
+            f"recipe's model existed ({'/'.join(map(str, sorted(harness)))} MiB: the timer's cache-flush buffer "
+            f"and the batch); the raw peaks are in the JSON."
+        )
     return lines
 
 
@@ -262,6 +273,13 @@ def render(results: dict, files: list[Path], elapsed_s: float | None = None) -> 
         f"gafused {meta['gafused']} benchmark summary: {meta['mode']} run{took}",
         f"{meta['device']}, torch {meta['torch']}, {meta['date_utc'].replace('T', ' ')[:16]} UTC",
     ]
+    stopped = meta.get("interrupted")
+    if stopped:
+        lines += _wrap(
+            f"PARTIAL RESULTS: stopped by {stopped['signal']} after {stopped['after_s']:.0f} s, during "
+            f"{stopped['during'] or 'setup'}. Only the parts and rows below were measured; the rest did not run.",
+            indent="",
+        )
     if meta["device_type"] == "cpu":
         default = default_backend(results)
         timed = [b for b in _backends(results.get("micro")) if b != default]
@@ -334,10 +352,12 @@ def readme_tables(results: dict) -> str:
     if e2e:
         peaks = any(row["peak_memory_mb"] is not None for row in e2e["rows"])  # measured on a GPU only
         requested = any(row.get("peak_requested_mb") is not None for row in e2e["rows"])  # newer results only
+        # Newer results give peaks net of the harness (its flush buffer); older ones the raw peak only.
+        net = " (harness excluded)" if any("peak_memory_raw_mb" in row for row in e2e["rows"]) else ""
         e2e_lines = [
             "| recipe | ms per optimizer step | gafused backend |"
-            + (" peak MiB |" if peaks else "")
-            + (" peak MiB requested |" if requested else ""),
+            + (f" peak MiB{net} |" if peaks else "")
+            + (f" peak MiB requested{net} |" if requested else ""),
             "| --- | --- | --- |" + (" --- |" if peaks else "") + (" --- |" if requested else ""),
         ]
         for row in e2e["rows"]:
@@ -387,14 +407,17 @@ def _kernel_table(rows: list[dict]) -> str:
     """The kernel sweep of a GPU run: each fused op's GB/s and share of the same run's copy bandwidth per buffer
     size, the goal being 90% from 256 MB up."""
     sizes = sorted({r["acc_mb"] for r in rows})
-    fused = [r for r in rows if r["backend"] in ("triton", "cuda")]
+    # A size that did not fit has one row, its status, and no backend, op or copy.
+    measured = [r for r in rows if "backend" in r]
+    fused = [r for r in measured if r["backend"] in ("triton", "cuda")]
     keys = list(dict.fromkeys((r["backend"], r["op"], r["grad_dtype"]) for r in fused))
     by_key = {(r["backend"], r["op"], r["grad_dtype"], r["acc_mb"]): r for r in fused}
-    copy = {size: next(r["copy_gbps"] for r in rows if r["acc_mb"] == size) for size in sizes}
+    copy = {r["acc_mb"]: f"{r['copy_gbps']:.0f}" for r in measured}
+    skipped = {r["acc_mb"]: r["status"].split(":")[0] for r in rows if "backend" not in r}
     lines = [
         "| backend | op | grads | " + " | ".join(f"{size} MB: GB/s (of copy)" for size in sizes) + " |",
         "| --- " * (3 + len(sizes)) + "|",
-        "| copy_ | - | - | " + " | ".join(f"{copy[size]:.0f}" for size in sizes) + " |",
+        "| copy_ | - | - | " + " | ".join(copy.get(size) or skipped.get(size, "-") for size in sizes) + " |",
     ]
     for backend, op, dtype in keys:
         cells = []

@@ -8,7 +8,8 @@
 - Both take untimed warmup calls first.
 - Samples are repeated until a time budget or a repetition cap is reached; the result is the median with
   the 20% and 80% quantiles, and the median host time: how long the call kept the Python thread busy (on a
-  GPU, the launches without waiting for the kernels; on CPU, the same as the time).
+  GPU, its launches, plus any wait for the device inside the call, such as gafused's last micro-step reading its
+  norm back with one ``.tolist()``; on CPU, the same as the time).
 - On CPU each sample also counts the minor page faults the process took during the timed call
   (``getrusage``, where the platform has it): memory touched for the first time (a temporary the allocator
   took fresh from the OS) costs a fault per page, which is the kernel's work, not the op's bandwidth.
@@ -125,20 +126,26 @@ class Timer:
         after = _minor_faults()
         return elapsed_ms, elapsed_ms, None if faults is None or after is None else after - faults
 
-    def measure(self, run: Callable[[], object], prepare: Callable[[], object] | None = None) -> Timing:
+    def measure(
+        self, run: Callable[[], object], prepare: Callable[[], object] | None = None, min_reps: int | None = None
+    ) -> Timing:
         """Time ``run``; ``prepare`` (untimed) runs before every call, warmup included.
 
         Args:
             run: the work to time.
             prepare: puts the state where ``run`` expects it (e.g. assigns gradients, advances a window).
+            min_reps: at least this many samples for this measurement instead of the timer's ``min_reps`` (the cap
+                rises to it if needed); the same timer, so no second cache-flush buffer is allocated.
         """
+        min_reps = self.min_reps if min_reps is None else min_reps
+        max_reps = max(self.max_reps, min_reps)
         for _ in range(self.warmup):
             self._sample_ms(run, prepare)
         samples: list[float] = []
         host_samples: list[float] = []
         fault_samples: list[int | None] = []
         spent_ms = 0.0
-        while len(samples) < self.max_reps and (len(samples) < self.min_reps or spent_ms < self.budget_s * 1e3):
+        while len(samples) < max_reps and (len(samples) < min_reps or spent_ms < self.budget_s * 1e3):
             sample, host_ms, faults = self._sample_ms(run, prepare)
             samples.append(sample)
             host_samples.append(host_ms)

@@ -249,6 +249,14 @@ def test_results_meta_records_the_code_and_the_machine(monkeypatch, tmp_path) ->
     assert meta["git_commit"] == commit
     modified = _git("status", "--porcelain", "--untracked-files=no")
     assert meta["git_tracked_files_modified"] == (None if commit is None else bool(modified))
+    # The tree of the files that ran (test_git_tree_names_the_files_on_disk_not_only_head checks its value).
+    if commit is None:
+        assert meta["git_tree"] is None and meta["git_tree_dirty"] is None
+    else:
+        assert len(meta["git_tree"]) == 40 and isinstance(meta["git_tree_dirty"], bool)
+        assert meta["git_tree_dirty"] or not modified
+    assert meta["transformers"] == provenance.package_version("transformers")
+    assert meta["complete"] is True and meta["interrupted"] is None
     assert meta["cpu_cores"] == os.cpu_count() and meta["cpu_cores"] >= 1
     assert meta["cuda_version"] == torch.version.cuda
     assert meta["cuda_driver_version"] is None  # a CPU run reads no driver
@@ -604,6 +612,32 @@ def test_the_readme_gpu_window_end_to_end_and_memory_figures_are_the_committed_r
     naive_middle = rows[("llama-7b", "middle", "naive")]
     assert f"at {naive_middle['fraction_of_copy_bw']:.0%} of copy bandwidth on a middle micro-batch" in flat
     assert f"would be {1 / naive_middle['fraction_of_copy_bw']:.1f}x" in flat
+    # That run divided every set by one 256 MiB copy; against the 4 GB copy of the kernel sweep file (README's
+    # kernel table) the fractions and bounds are these.
+    sweep = json.loads((ROOT / flat.split("GPU kernel figures: `", 1)[1].split("`", 1)[0]).read_text())
+    copy_4g = next(r["copy_gbps"] for r in sweep["kernels"] if r["acc_mb"] == 4096)
+    copy_run = meta["copy_bandwidth_gbps"]
+    floor_ms = {m: rows[("llama-7b", m, "naive")]["min_bytes"] / (copy_4g * 1e9) * 1e3 for m in ("middle", "last")}
+    window_bound = windows[("llama-7b", "bf16", "naive")] / (7 * floor_ms["middle"] + floor_ms["last"])
+    middle_bound = naive_middle["median_ms"] / floor_ms["middle"]
+    assert meta["copy_bytes"] == 2 * 256 * 2**20 and window_bound < 3
+    triton_llama = rows[("llama-7b", "middle", "gafused-triton")]
+    notes = " ".join((ROOT / "bench" / "NOTES.md").read_text().split())
+    for text, where in [
+        (f"its run's one copy of 256 MiB ({copy_run:.0f} GB/s", flat),
+        (f"{copy_4g:.0f} GB/s at 4 GB in the kernel sweep file below", flat),
+        (f"`naive` streams at {naive_middle['gbps'] / copy_4g:.0%} (its {naive_middle['gbps']:.0f} GB/s)", flat),
+        (f"would be {middle_bound:.1f}x and the whole window at most {window_bound:.1f}x", flat),
+        (f"every fraction of that run reads {copy_4g / copy_run - 1:.0%} high ({copy_4g:.0f} / {copy_run:.0f})", flat),
+        (f"single 256 MiB copy ({copy_run:.0f} GB/s", notes),
+        (f"naive's {naive_middle['gbps']:.0f} GB/s is {naive_middle['gbps'] / copy_4g:.0%}", notes),
+        (f"is at most {middle_bound:.1f}x, the whole window", notes),
+        (f"at most {window_bound:.1f}x; every micro-benchmark fraction of this file reads {copy_4g / copy_run - 1:.0%}"
+         f" high ({copy_4g:.0f} / {copy_run:.0f})", notes),
+        (f"is {triton_llama['fraction_of_copy_bw']:.0%} of the 256 MiB copy and {triton_llama['gbps'] / copy_4g:.0%}"
+         f" of the 4 GB one", notes),
+    ]:  # fmt: skip
+        assert text in where, text
     triton, cuda = rows[("gpt2-124m", "middle", "gafused-triton")], rows[("gpt2-124m", "middle", "gafused-cuda")]
     assert f"{triton['host_ms']:.2f} ms of host time in {triton['median_ms']:.2f} ms" in flat
     assert f"(cuda: {cuda['host_ms']:.2f} ms in {cuda['median_ms']:.2f} ms)" in flat
@@ -634,6 +668,18 @@ def test_the_readme_gpu_window_end_to_end_and_memory_figures_are_the_committed_r
     for text in quoted:
         assert text in flat, text
     assert round(step["peak_memory_mb"]) == round(backward["peak_memory_mb"])
+    # Those peaks are raw (results of that time): they include the run's timer's cache-flush buffer.
+    import timing
+
+    assert "peak_memory_raw_mb" not in plain and timing._CACHE_FLUSH_BYTES["cuda"] == 256 * 2**20
+    assert "Every peak of that run includes the benchmark's own 256 MiB cache-flush buffer" in flat
+    assert "include the timer's 256 MiB cache-flush buffer" not in flat
+    notes = " ".join((ROOT / "bench" / "NOTES.md").read_text().split())
+    assert f"plain {plain['peak_memory_mb']:.0f} MiB, both gafused loops {step['peak_memory_mb']:.0f} MiB" in notes
+    assert "Each of these peaks includes the timer's 256 MiB cache-flush buffer" in notes
+    bench_readme = " ".join((ROOT / "bench" / "README.md").read_text().split())
+    assert (f"the committed H200 figures ({plain['peak_memory_mb']:.0f} MiB plain, {step['peak_memory_mb']:.0f} MiB "
+            f"both gafused loops) include the 256 MiB flush buffer") in bench_readme  # fmt: skip
 
     memory = {(r["recipe"], r["param_dtype"]): f"{r['peak_bytes_per_param']:.2f}" for r in results["memory"]}
     assert all(r["device"] == "cuda" and r["backend"] in ("", "cuda") for r in results["memory"])
@@ -709,3 +755,511 @@ def test_busy_time_is_the_union_of_kernel_intervals() -> None:
 
     assert e2e_profile._busy_ms([(0, 1000), (500, 1500), (3000, 4000), (3200, 3300)]) == 2.5
     assert e2e_profile._busy_ms([]) == 0.0
+
+
+# --- a run stopped by its time limit keeps what it measured (SIGTERM from bench/gpu_check.sh's `timeout`) ---------
+
+
+class _Unhandled(Exception):
+    """Raised by the test's own SIGTERM handler: the code under test did not handle the signal itself."""
+
+
+@pytest.fixture
+def sigterm_fallback():
+    """While the test runs, a SIGTERM that the code under test does not handle raises ``_Unhandled`` (instead of
+    killing the test process)."""
+    import signal
+
+    def unhandled(signum, frame):
+        raise _Unhandled("SIGTERM reached the test's fallback handler")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_self() -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this (main) thread before the next line
+
+
+_STOP_ARGV = ["--quick", "--no-kernels", "--no-plots", "--sets", "single-big", "--dtypes", "fp32",
+              "--providers", "naive,gafused-reference", "--no-progress", "--device", "cpu"]  # fmt: skip
+
+
+@pytest.mark.parametrize("stop_in", ["provider", "e2e"])
+def test_a_run_stopped_by_sigterm_writes_what_it_measured(monkeypatch, tmp_path, capsys, sigterm_fallback, stop_in):
+    """SIGTERM inside a provider or the end-to-end part: the rows measured before it are written, marked partial in
+    the JSON, the tables and the screen; the stopped provider is not reported as a failure; the exit is 143."""
+    import e2e
+    import run
+    import triton_launches
+
+    monkeypatch.setattr(triton_launches, "Count", _NoCount)
+    monkeypatch.setitem(sys.modules, "memory", None)
+    real_make = providers.make_provider
+
+    def make(name, *args, **kwargs):
+        provider = real_make(name, *args, **kwargs)
+        if stop_in == "provider" and name == "gafused-reference":
+            provider.step = _sigterm_self
+        return provider
+
+    monkeypatch.setattr(providers, "make_provider", make)
+    monkeypatch.setattr(e2e, "run_e2e", lambda *args, **kwargs: _sigterm_self())
+    assert run.main([*_STOP_ARGV, "--out", str(tmp_path)]) == 143
+    said = capsys.readouterr()
+    results = json.loads(next(tmp_path.glob("*.json")).read_text())
+    meta = results["meta"]
+    during = "micro-benchmark: single-big fp32 gafused-reference" if stop_in == "provider" else "end to end"
+    assert meta["complete"] is False and meta["interrupted"]["signal"] == "SIGTERM"
+    assert meta["interrupted"]["during"] == during
+    measured = {(r["provider"], r["moment"]): r["status"] for r in results["micro"]}
+    expected = {("naive", "middle"): "ok", ("naive", "last"): "ok"}
+    if stop_in == "e2e":
+        expected |= {("gafused-reference", "middle"): "ok", ("gafused-reference", "last"): "ok"}
+    assert measured == expected, "the rows before the signal, none for the stopped provider, no 'failed' row"
+    assert results["e2e"] is None and results["kernels"] == [] and results["correctness"] is not None
+    tables = next(tmp_path.glob("*-tables.txt")).read_text()
+    assert tables.startswith("PARTIAL RESULTS: stopped by SIGTERM") and during in tables.splitlines()[0]
+    assert "PARTIAL RESULTS" in said.out and "(partial: stopped by SIGTERM" in said.err
+    assert not list(tmp_path.glob("*.png")), "no figures: SIGKILL follows soon; --plot-only draws them later"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_kernel_configs_and_profile_scripts_keep_what_they_measured(monkeypatch, tmp_path, sigterm_fallback):
+    import e2e
+    import e2e_profile
+    import interrupt
+    import kernel_configs
+
+    def two_rows_then_stopped(device, sizes, configs, reps, rows, where):
+        rows += [{"acc_mb": 256, "backend": "triton", "config": "default", "op": "fold", "grad_dtype": "bf16",
+                  "idle_ms": 1.0, "idle_fraction": 0.5, "queued_ms": 0.8, "queued_fraction": 0.6}] * 2  # fmt: skip
+        where["during"] = "4096 MB, cuda, config default"
+        _sigterm_self()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(kernel_configs, "run", two_rows_then_stopped)
+    assert kernel_configs.main(["--out", str(tmp_path)]) == 143
+    (path,) = tmp_path.glob("*-kernel-configs.json")
+    saved = json.loads(path.read_text())
+    assert len(saved["rows"]) == 2 and saved["meta"]["complete"] is False
+    assert saved["meta"]["interrupted"] == {"signal": "SIGTERM", "during": "4096 MB, cuda, config default"}
+    assert path.with_suffix(".txt").read_text().startswith("PARTIAL RESULTS: stopped by SIGTERM")
+
+    real_profile = e2e_profile.profile_recipe
+    profiled = []
+
+    def stop_at_the_second(*args, **kwargs):
+        if profiled:
+            raise interrupt.Interrupted("SIGTERM")
+        profiled.append(real_profile(*args, **kwargs))
+        return profiled[-1]
+
+    monkeypatch.setattr(e2e_profile, "profile_recipe", stop_at_the_second)
+    out = tmp_path / "profile"
+    assert e2e_profile.main(["--quick", "--device", "cpu", "--warmup", "1", "--out", str(out)]) == 143
+    saved = json.loads(next(out.glob("*-e2e-profile.json")).read_text())
+    first, second = list(e2e.setup(torch.device("cpu"), "quick").recipes)[1:3]
+    assert list(saved["recipes"]) == [first[0]] and saved["meta"]["interrupted"]["during"] == second[0]
+    assert saved["meta"]["complete"] is False
+
+
+def test_host_overhead_stopped_prints_the_rounds_it_took(monkeypatch, capsys):
+    import host_overhead
+    import interrupt
+
+    class _Clock:
+        """perf_counter that runs out: SIGTERM's exception in the 4th timed round (after main's 20 warm-up rounds)."""
+
+        def __init__(self, calls: int) -> None:
+            self.calls, self.now = calls, 0.0
+
+        def perf_counter(self) -> float:
+            self.calls -= 1
+            if self.calls < 0:
+                raise interrupt.Interrupted("SIGTERM")
+            self.now += 1e-6
+            return self.now
+
+    cases = len(host_overhead.rows(tensors=2, numel=3, reps=2, warmup=0))
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 3) + 3))
+    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
+    printed = capsys.readouterr().out
+    assert printed.startswith("PARTIAL RESULTS: stopped by SIGTERM during sampling, after 3 of 10 rounds")
+    assert "3 samples per row" in printed
+    # Stopped before two whole rounds there is nothing to report: the stop goes on up.
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 1) + 3))
+    with pytest.raises(interrupt.Interrupted):
+        host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"])
+
+
+def test_host_overhead_has_a_same_dtype_floor_beside_a_mixed_dtype_baseline():
+    """bf16 gradients into fp32 accumulators cannot take torch's multi-tensor fast path; the same-dtype row can."""
+    import host_overhead
+
+    rows = host_overhead.rows(tensors=3, numel=4, dtype=torch.bfloat16, reps=3, warmup=1)
+    assert [row["what"] for row in rows[:2]] == ["torch._foreach_add_", "torch._foreach_add_ same dtype"]
+    assert all(row["reps"] == 3 and row["interrupted"] is None for row in rows)
+    assert "torch._foreach_add_ same dtype" not in {row["what"] for row in host_overhead.rows(3, 4, reps=3, warmup=1)}
+
+
+# --- end-to-end peaks net of the harness; one timer; the copy at the set's size; nothing of a finished provider ---
+
+
+class _FakeCudaMemory:
+    """torch.cuda's allocator counters, for code that only reads them: ``allocate``/``free`` move them."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+
+    def allocate(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def install(self, monkeypatch) -> None:
+        def reset(device=None):
+            self.peak = self.allocated
+
+        stats = {"memory_allocated": lambda device=None: self.allocated,
+                 "max_memory_allocated": lambda device=None: self.peak, "reset_peak_memory_stats": reset,
+                 "synchronize": lambda device=None: None, "empty_cache": lambda: None,
+                 "memory_stats": lambda device=None: {"requested_bytes.all.current": self.allocated - 100,
+                                                      "requested_bytes.all.peak": self.peak - 100}}  # fmt: skip
+        for name, fake in stats.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def test_end_to_end_peaks_leave_out_the_harness_and_reuse_the_runs_timer(monkeypatch):
+    """On a GPU (its allocator counters faked here): one Timer for the whole run (no second 256 MiB flush buffer),
+    at least E2E_MIN_REPS_GPU windows, and peaks net of what was allocated before the recipe's model existed."""
+    import e2e
+    import timing
+
+    mib = 2**20
+    memory = _FakeCudaMemory()
+    memory.install(monkeypatch)
+    memory.allocate(256 * mib)  # the run's timer's flush buffer, allocated before the end-to-end part
+    model_bytes, step_bytes = 100 * mib, 50 * mib
+
+    def build():
+        memory.allocate(model_bytes)  # the recipe's model and optimizer state: its own, kept in its peak
+        return torch.nn.Linear(2, 2), None
+
+    def make_step(model, optimizer):
+        def step():
+            memory.allocate(step_bytes)
+            memory.free(step_bytes)
+
+        return step
+
+    config = e2e.config_for(torch.device("cpu"), "quick")
+    fake = e2e.Setup(config, lambda config: torch.nn.Linear(2, 2), True, build, [("plain", 4, make_step)])
+    monkeypatch.setattr(e2e, "setup", lambda device, mode, max_grad_norm: fake)
+
+    def no_second_timer(*args, **kwargs):
+        raise AssertionError("run_e2e built a Timer of its own: a second cache-flush buffer")
+
+    monkeypatch.setattr(e2e, "Timer", no_second_timer)
+    asked = []
+
+    class _Timer:
+        min_reps, max_reps, budget_s, warmup = 5, 40, 0.25, 1
+
+        def measure(self, run, prepare=None, min_reps=None):
+            asked.append(min_reps)
+            run()
+            return timing.Timing(1.0, 0.9, 1.1, min_reps or self.min_reps, 1.0)
+
+    result = e2e.run_e2e(torch.device("cuda"), "quick", _Timer())
+    (row,) = result["rows"]
+    assert asked == [e2e.E2E_MIN_REPS_GPU]
+    assert row["harness_mb"] == 256
+    assert row["peak_memory_mb"] == (model_bytes + step_bytes) / mib
+    assert row["peak_memory_raw_mb"] == 256 + (model_bytes + step_bytes) / mib
+    assert row["peak_requested_mb"] == (model_bytes + step_bytes) / mib
+    assert row["peak_requested_raw_mb"] == 256 + (model_bytes + step_bytes - 100) / mib
+    import run
+    import summary
+
+    assert "peaks net of the harness's 256 MiB" in run.format_e2e_table(result, "a GPU")
+    table = summary.readme_tables({"meta": {"device_type": "cuda"}, "micro": [], "e2e": result})
+    assert "| peak MiB (harness excluded) | peak MiB requested (harness excluded) |" in table
+    assert "| plain | 1.0 | - | 150 | 150.000 |" in table
+
+
+def test_micro_rows_carry_the_copy_of_their_sets_size(monkeypatch, tmp_path):
+    import run
+    import timing
+
+    sizes = []
+    real = timing.copy_bandwidth_gbps
+
+    def spy(timer, nbytes):
+        sizes.append(nbytes)
+        return real(timer, nbytes)
+
+    monkeypatch.setattr(timing, "copy_bandwidth_gbps", spy)
+    args = run._parse_args(["--quick", "--sets", "single-big,many-small", "--dtypes", "bf16,fp32",
+                            "--providers", "naive", "--device", "cpu"])  # fmt: skip
+    timer = timing.Timer(torch.device("cpu"), budget_s=0.01, min_reps=1, max_reps=2, warmup=0)
+    rows = run.run_micro(args, torch.device("cpu"), timer, progress=None)
+    # One copy per set (both dtypes share it), at the quick CPU floor of 16 MiB: these sets are smaller.
+    assert sizes == [16 * 2**20, 16 * 2**20]
+    for row in rows:
+        assert row["copy_bytes"] == 2 * 16 * 2**20
+        assert row["fraction_of_copy_bw"] == pytest.approx(row["gbps"] / row["copy_gbps"])
+    # On a GPU: the set's fp32 accumulator, at least 1 GiB, at most 40% of free memory per buffer.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    cuda = torch.device("cuda")
+    assert run._copy_nbytes(param_sets.gpt2(), cuda, quick=False) == 2**30
+    assert run._copy_nbytes(param_sets.single(1 << 30), cuda, quick=False) == 4 * 2**30
+    assert run._copy_nbytes(param_sets.llama(), cuda, quick=False) == int(0.4 * 40 * 2**30)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_nothing_of_a_finished_provider_is_alive_when_the_next_one_is_built(monkeypatch, dtype):
+    """A finished provider leaves its gradients in p.grad; the micro-benchmark releases them (and the provider)
+    before the next provider allocates its own, so one provider's memory is alive at a time."""
+    import gc
+    import weakref
+
+    import run
+    import timing
+
+    alive = []  # weak references to every tensor of the providers built so far
+    real_make = providers.make_provider
+
+    def make(name, params, *args, **kwargs):
+        assert all(param.grad is None for param in params), "a p.grad left by the previous provider"
+        dead = [ref for ref in alive if ref() is None]
+        assert len(dead) == len(alive), f"{len(alive) - len(dead)} tensors of a finished provider still alive"
+        provider = real_make(name, params, *args, **kwargs)
+        held = getattr(provider, "main_grads", []) + [f for f in getattr(provider, "finished", []) if f is not None]
+        if hasattr(provider, "accumulator"):
+            held += [buffer.data for buffer in provider.accumulator.buffers]
+        alive.extend(weakref.ref(tensor) for tensor in held)
+        return provider
+
+    monkeypatch.setattr(providers, "make_provider", make)
+    names = [n for n in providers.provider_names(torch.device("cpu")) if n != "compiled"]
+    args = run._parse_args(["--quick", "--sets", "single-big", "--dtypes", dtype, "--providers", ",".join(names),
+                            "--device", "cpu"])  # fmt: skip
+    timer = timing.Timer(torch.device("cpu"), budget_s=0.01, min_reps=1, max_reps=2, warmup=0)
+    rows = run.run_micro(args, torch.device("cpu"), timer, progress=None)
+    assert {row["status"] for row in rows} == {"ok"} and len(rows) == 2 * len(names)
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+
+
+def test_compiled_rows_record_the_compile_warm_up(monkeypatch):
+    import run
+    import timing
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the plumbing, not torch.compile's time
+    args = run._parse_args(["--quick", "--sets", "single-big", "--dtypes", "fp32", "--providers", "compiled,naive",
+                            "--device", "cpu"])  # fmt: skip
+    timer = timing.Timer(torch.device("cpu"), budget_s=0.01, min_reps=1, max_reps=2, warmup=0)
+    rows = run.run_micro(args, torch.device("cpu"), timer, progress=None)
+    compiled = [row for row in rows if row["provider"] == "compiled"]
+    assert len(compiled) == 2 and all(row["compile_warmup_s"] > 0 for row in compiled)
+    assert not any("compile_warmup_s" in row for row in rows if row["provider"] == "naive")
+
+
+def test_readme_tables_skip_a_kernel_size_that_did_not_fit() -> None:
+    import summary
+
+    results = json.loads((ROOT / "bench/results/nvidia-h200-20261126-012944-kernels-only.json").read_text())
+    results["kernels"].append({"acc_mb": 8192, "status": "skipped: not enough free device memory"})
+    table = summary.readme_tables(results)
+    header, _, copy, *rows = table.splitlines()
+    assert header.endswith("| 8192 MB: GB/s (of copy) |") and copy.endswith("| 4262 | skipped |")
+    assert all(row.endswith("| - |") for row in rows)
+
+
+# --- provenance: the tree that ran, not only the HEAD of the copy it ran in ---------------------------------------
+
+
+def test_git_tree_names_the_files_on_disk_not_only_head(tmp_path, monkeypatch) -> None:
+    import provenance
+
+    if _git("--version") is None:
+        pytest.skip("git is not installed")
+
+    def git(*args: str) -> str:
+        identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
+        done = subprocess.run(["git", *identity, *args], cwd=tmp_path, capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.py").write_text("a = 1\n")
+    (tmp_path / "run.sh").write_text("echo\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    (tmp_path / ".gitignore").write_text("*.log\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    clean = provenance.git_tree(tmp_path)
+    assert clean == {"git_tree": git("rev-parse", "HEAD^{tree}"), "git_tree_dirty": False, "git_untracked": []}
+    # A copy whose files moved on from its HEAD: the tree is what `git add --all && git write-tree` would record.
+    (tmp_path / "sub" / "a.py").write_text("a = 2\n")
+    (tmp_path / "new.py").write_text("b = 1\n")
+    (tmp_path / "ignored.log").write_text("not part of the tree\n")
+    moved = provenance.git_tree(tmp_path)
+    assert moved["git_tree_dirty"] is True and moved["git_untracked"] == ["new.py"]
+    assert provenance.git_commit(tmp_path) == (git("rev-parse", "HEAD"), True)
+    git("add", "-A")
+    assert moved["git_tree"] == git("write-tree")
+    # Without git, or outside a checkout: None, never a failure.
+    assert provenance.git_tree(tmp_path / "sub") == {"git_tree": None, "git_tree_dirty": None, "git_untracked": None}
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: None)
+    assert provenance.git_tree(tmp_path)["git_tree"] is None and provenance.facts("cpu")["git_tree"] is None
+
+
+def test_bench_distributed_by_hand_never_overwrites_the_committed_results(monkeypatch, tmp_path) -> None:
+    import distributed
+
+    committed = tmp_path / "results" / "distributed-cpu.json"
+    monkeypatch.setattr(distributed, "DEFAULT_OUT", committed)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    meta = {"seconds": 1.0}
+    monkeypatch.setattr(distributed, "run", lambda quick, names, memory: {"meta": meta, "rows": []})
+    monkeypatch.setattr(distributed, "format_table", lambda results: "")
+    for argv, name in [(["--quick"], "distributed-quick.json"), ([], "distributed-cpu.json"),
+                       (["--plain-fsdp2", "--no-memory"], "distributed-cpu.json")]:  # fmt: skip
+        assert distributed.main(argv) == 0
+        assert not committed.exists(), argv
+        assert (tmp_path / "cache" / "gafused" / "bench" / name).exists(), argv
+    assert distributed.main(["--plain-fsdp2"]) == 0 and committed.exists(), "the command of the committed file"
+
+
+# --- bench/gpu_check.sh: phases stopped at their limit keep their output; env fails without a GPU; the plan --------
+
+
+def _gpu_check_tree(tmp_path: Path, fake_python: str | None = None) -> dict[str, str]:
+    """A tree holding bench/gpu_check.sh and a built-looking extension; the environment to run it with."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "gafused").mkdir()
+    (tmp_path / "gafused" / "_C.fake.so").write_text("")
+    (tmp_path / "bench" / "gpu_check.sh").write_text((ROOT / "bench" / "gpu_check.sh").read_text())
+    python = sys.executable
+    if fake_python is not None:
+        python = str(tmp_path / "python")
+        Path(python).write_text(f"#!{sys.executable}\n{fake_python}")
+        Path(python).chmod(0o755)
+    return {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": python, "GPU_CHECK_GRACE_S": "5"}
+
+
+def _gpu_check(tmp_path: Path, env: dict[str, str], script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` in bash after sourcing the tree's gpu_check.sh (which then only defines its functions)."""
+    return subprocess.run(["bash", "-c", f"source bench/gpu_check.sh; {script}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+_STOPPED_BENCHMARK = """import signal, sys, time
+if sys.argv[1:2] == ["-c"]:
+    sys.exit(1)  # have_matplotlib: no
+def stop(signum, frame):
+    time.sleep(0.5)  # writing its partial results
+    print("wrote /x/partial.json (partial: stopped by SIGTERM during the kernel sweep)", file=sys.stderr, flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+print("measuring", flush=True)
+time.sleep(60)
+"""
+
+
+def test_gpu_check_phase_at_its_limit_gets_sigterm_and_keeps_what_its_program_wrote(tmp_path) -> None:
+    import time
+
+    env = _gpu_check_tree(tmp_path, _STOPPED_BENCHMARK)
+    began = time.perf_counter()
+    done = _gpu_check(tmp_path, env, "run_phase kernels 2; echo status=$?")
+    assert time.perf_counter() - began < 2 + 5, "SIGTERM at the limit, the program's exit well before SIGKILL"
+    assert "status=1" in done.stdout and "== kernels: TIMED OUT" in done.stdout
+    log = (tmp_path / "out" / "gpu-kernels.log").read_text()
+    assert log == "measuring\nwrote /x/partial.json (partial: stopped by SIGTERM during the kernel sweep)\n"
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary.split()[:3] == ["kernels", "TIMED", "OUT"]
+    assert summary.rstrip().endswith("wrote partial.json (partial: stopped by SIGTERM during the kernel sweep)")
+
+
+def test_gpu_check_env_fails_without_a_cuda_torch(tmp_path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: env passes here")
+    env = _gpu_check_tree(tmp_path)  # this machine's python: torch imports, no GPU
+    done = _gpu_check(tmp_path, env, "run_phase env 60; echo status=$?")
+    assert "== env: FAILED (1)" in done.stdout and "status=1" in done.stdout
+    assert "env: FAILED: torch is not a CUDA build or sees no GPU" in (tmp_path / "out" / "gpu-env.log").read_text()
+
+
+def test_gpu_check_plans_and_limits_fit_the_budget(tmp_path) -> None:
+    env = _gpu_check_tree(tmp_path)
+    script = """set -e
+plan all; plan; plan env build tests; plan configs host windows profile; plan bench bench_fp32
+rm gafused/_C.fake.so; plan env kernels host; plan env
+for phase in env build sanitize tests; do echo "$phase ${phase_cap[$phase]}"; done
+echo "grace $grace_s"
+"""
+    lines = _gpu_check(tmp_path, {**env, "GPU_CHECK_GRACE_S": "20"}, script).stdout.splitlines()
+    assert lines[:7] == [
+        "env build sanitize tests", "env build sanitize tests", "env build tests", "configs host windows profile",
+        "bench bench_fp32", "env build kernels host", "env",
+    ]  # fmt: skip
+    caps = dict(line.split() for line in lines[7:11])
+    cap = {phase: int(value) for phase, value in caps.items()}
+    grace, budget = int(lines[11].split()[1]), 570
+    # `all`: sanitize gets its whole cap even after env and build take their whole caps (bench/README says so) ...
+    assert budget - cap["env"] - cap["build"] - grace >= cap["sanitize"]
+    # ... and the suite what is left: on the H200, env, build and sanitize took 10 + 55 + 119 s.
+    assert budget - (10 + 55 + 119) - grace == 366
+    # `env build tests` (the next run's call) gives the suite its whole cap after the H200's env and build.
+    assert budget - (10 + 55) - grace >= cap["tests"]
+    limits = _gpu_check(tmp_path, env, "phase_limit sanitize 300; phase_limit tests 100; phase_limit tests 600")
+    assert limits.stdout.split() == ["200", "95", "480"]
+    refused = subprocess.run(["bash", "bench/gpu_check.sh", "env", "bogus"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "unknown phase 'bogus'" in refused.stderr
+    assert not (tmp_path / "out" / "gpu-env.log").exists(), "refused before any phase ran"
+
+
+# --- what the docs say of sizes, N, commits and the host baseline is what the code and the files hold ---------------
+
+
+def test_the_docs_state_the_kernel_sweep_sizes_and_the_end_to_end_n() -> None:
+    import e2e
+    import kernels
+
+    readme = (ROOT / "README.md").read_text()
+    section = " ".join(readme[readme.index("## Benchmarks") : readme.index("## Development")].split())
+    default = [mb for mb in kernels._SIZES_MB["cuda"]["default"]]
+    added = [mb for mb in kernels._SIZES_MB["cuda"]["full"] if mb not in default]
+
+    def sizes(mbs: list[int]) -> str:
+        return ", ".join(f"{mb} MB" if mb < 1024 else f"{mb // 1024} GB" for mb in mbs)
+
+    assert default == [256, 1024, 4096] and added == [512, 2048]
+    assert f"only the kernel sweep: {sizes(default)} on a GPU (--full adds {sizes(added)})" in section
+    cpu, gpu = (e2e.config_for(torch.device(kind), "full") for kind in ("cpu", "cuda"))
+    bench_readme = " ".join((ROOT / "bench" / "README.md").read_text().split())
+    assert (f"a batch of {cpu.batch} in {cpu.accumulation_steps} micro-batches on CPU, of {gpu.batch} in "
+            f"{gpu.accumulation_steps} on a GPU") in bench_readme  # fmt: skip
+    assert "always splits its batch" not in bench_readme
+    host = "on a GPU, its launches plus any wait for the device inside the call"
+    assert host in bench_readme and "the launches without waiting for the kernels" not in bench_readme
+
+
+def test_the_results_index_names_the_commit_each_gpu_file_records() -> None:
+    index = " ".join((ROOT / "bench" / "results" / "README.md").read_text().split())
+    for path in sorted((ROOT / "bench" / "results").glob("nvidia-*.json")):
+        commit = json.loads(path.read_text())["meta"]["git_commit"][:7]
+        sentence = next(part for part in index.split("; ") if f"`{path.name}`" in part and "record" in part)
+        assert commit in sentence, (path.name, commit)
+    # `all` no longer runs the kernel sweep: the index says what it was then.
+    assert "`bash bench/gpu_check.sh all` as it was then (env, build, tests, sanitize, kernels;" in index
