@@ -2,13 +2,19 @@
 
 Environment switches:
     GAFUSED_SKIP_CUDA_BUILD=1   never build the extension (pure Python install: reference, foreach, triton).
-    GAFUSED_FORCE_CUDA=1        build it even when no GPU is visible (needs CUDA torch and nvcc).
+    GAFUSED_FORCE_CUDA=1        build it even when no GPU is visible (needs CUDA torch and nvcc); a build that fails
+                                fails the install.
+
+Without the switch, a machine with a GPU builds the extension when its toolkit has nvcc, and a build that fails
+there (a toolkit of another major version than torch's, an unsupported compiler) installs the package without
+it, saying why: the other backends need no compiler.
 """
 
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -65,8 +71,15 @@ def _cuda_build() -> tuple[list, dict]:
                 f"(CUDA {torch.version.cuda}) and CUDA_HOME={CUDA_HOME}"
             )
         return [], {}
+    forced = _flag("GAFUSED_FORCE_CUDA")
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc.exe" if os.name == "nt" else "nvcc")
+    if not os.path.isfile(nvcc):  # a CUDA runtime without the toolkit (torch guesses /usr/local/cuda)
+        if forced:
+            raise RuntimeError(f"GAFUSED_FORCE_CUDA=1 needs nvcc; CUDA_HOME={CUDA_HOME} has no {nvcc}")
+        print(f"gafused: not building the CUDA extension: no nvcc at {nvcc}", file=sys.stderr)
+        return [], {}
     gpu_visible = torch.cuda.is_available()
-    if not gpu_visible and not _flag("GAFUSED_FORCE_CUDA"):
+    if not gpu_visible and not forced:
         return [], {}
 
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
@@ -92,7 +105,31 @@ def _cuda_build() -> tuple[list, dict]:
         include_dirs=[os.path.join(here, csrc)],
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
     )
-    return [extension], {"build_ext": BuildExtension}
+
+    class Build(BuildExtension):
+        """torch's build, rebuilt at every install (torch skips sources it thinks up to date when it builds without
+        ninja, which would keep a stale library after the architectures or torch changed); without
+        GAFUSED_FORCE_CUDA a failed build installs the package without the extension, saying why."""
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            self.force = True
+
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as error:
+                if forced:
+                    raise
+                print(
+                    f"gafused: the CUDA extension gafused._C did not build ({type(error).__name__}: {error}); "
+                    "installing without it (backends reference, foreach, triton). GAFUSED_FORCE_CUDA=1 makes this "
+                    "an error.",
+                    file=sys.stderr,
+                )
+                self.extensions = []
+
+    return [extension], {"build_ext": Build}
 
 
 ext_modules, cmdclass = _cuda_build()
@@ -108,15 +145,16 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.9"],  # README "Two commands": the versions tested
     extras_require={
-        "triton": ["triton>=3.5"],
+        # Triton ships Linux wheels only; its CPU interpreter (TRITON_INTERPRET=1) imports numpy.
+        "triton": ["triton>=3.5; sys_platform == 'linux'", "numpy"],
         "test": ["pytest", "ruff>=0.17,<0.18", "hypothesis", "numpy"],
         # tests/test_correctness.py's float64 GPT-2 proof; it skips with the reason when this is absent.
         # also gafused.integrations.transformers (Trainer needs accelerate); the minimum is
         # gafused.integrations.TRANSFORMERS_MIN_VERSION, the oldest Trainer with every internal GafusedTrainer uses.
-        "transformers": ["transformers>=5.19", "accelerate"],
+        "transformers": ["transformers>=5.19", "accelerate>=1.0"],
         # gafused.integrations: each adapter imports its framework lazily.
-        "accelerate": ["accelerate"],
-        "lightning": ["lightning"],
+        "accelerate": ["accelerate>=1.0"],
+        "lightning": ["lightning>=2.0"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,

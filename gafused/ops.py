@@ -69,7 +69,7 @@ INSTALL_HINTS = {
     "foreach": "",
     "triton": "pip install triton  (needs an NVIDIA GPU, or TRITON_INTERPRET=1 for CPU tensors)",
     "cuda": (
-        "GAFUSED_FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .  "
+        "GAFUSED_FORCE_CUDA=1 pip install --no-build-isolation --no-deps -e .  "
         "(from a gafused checkout, on a machine with CUDA torch and nvcc)"
     ),
 }

@@ -63,7 +63,7 @@ except ImportError as error:  # pragma: no cover - exercised only without lightn
         'pip install "gafused[lightning]"'
     ) from error
 
-from gafused.accumulator import GradAccumulator
+from gafused.accumulator import GradAccumulator, _add_note
 from gafused.buffer import DEFAULT_BUCKET_BYTES
 
 __all__ = ["GradAccumulation"]
@@ -349,7 +349,9 @@ class GradAccumulation(Callback):
             accumulator.backward(scaled, weight=self._batch_weight, end_window=sync, **kwargs)
         except (TypeError, ValueError) as error:
             if self.weight is not None and "weight" in str(error):
-                error.add_note(f"gafused: the weight came from GradAccumulation(weight={self.weight!r}) on this batch")
+                _add_note(
+                    error, f"gafused: the weight came from GradAccumulation(weight={self.weight!r}) on this batch"
+                )
             raise
         if sync:
             accumulator._lightning_end_declared = True

@@ -1,0 +1,103 @@
+"""setup.py's decision to build gafused._C, with torch's CUDA side faked: a machine with a GPU whose toolkit cannot
+build the extension installs without it (saying why), unless GAFUSED_FORCE_CUDA=1 asks for the build."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import setuptools
+
+SETUP = Path(__file__).resolve().parents[1] / "setup.py"
+
+
+class _FakeBuildExtension:
+    """Stands for torch's BuildExtension: ``run`` fails when told to, as a build with a broken toolkit does."""
+
+    fail = False
+
+    def __init__(self) -> None:
+        self.extensions = ["gafused._C"]
+        self.force = False
+
+    def finalize_options(self) -> None:
+        pass
+
+    def run(self) -> None:
+        if self.fail:
+            raise RuntimeError("The detected CUDA version (12.4) mismatches the version that compiled PyTorch")
+
+
+def _run_setup(monkeypatch: pytest.MonkeyPatch, cuda_home: Path, gpu: bool = True) -> dict:
+    """Run setup.py against a CUDA torch that sees a GPU (faked) and a toolkit at ``cuda_home``; what it passed to
+    setuptools.setup."""
+    torch = types.ModuleType("torch")
+    torch.__version__ = "2.13.0+cu130"
+    torch.version = types.SimpleNamespace(cuda="13.0")
+    torch.cuda = types.SimpleNamespace(is_available=lambda: gpu)
+    utils = types.ModuleType("torch.utils")
+    extension = types.ModuleType("torch.utils.cpp_extension")
+    extension.CUDA_HOME = str(cuda_home)
+    extension.BuildExtension = _FakeBuildExtension
+    extension.CUDAExtension = lambda name, **kwargs: name
+    for name, module in {"torch": torch, "torch.utils": utils, "torch.utils.cpp_extension": extension}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("CUDA_HOME", str(cuda_home))
+    monkeypatch.delenv("GAFUSED_SKIP_CUDA_BUILD", raising=False)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # set: setup.py would otherwise write its defaults here
+    monkeypatch.setenv("MAX_JOBS", "1")
+    given: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: given.update(kwargs))
+    runpy.run_path(str(SETUP))
+    return given
+
+
+def _toolkit(root: Path, nvcc: bool) -> Path:
+    (root / "lib64").mkdir(parents=True)
+    if nvcc:
+        (root / "bin").mkdir()
+        (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    return root
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_cuda_home_without_nvcc_builds_nothing_or_fails_when_forced(monkeypatch, tmp_path, capsys, forced):
+    """torch guesses /usr/local/cuda wherever it exists; a runtime-only image has no nvcc there."""
+    runtime_only = _toolkit(tmp_path / "cuda", nvcc=False)
+    if forced:
+        monkeypatch.setenv("GAFUSED_FORCE_CUDA", "1")
+        with pytest.raises(RuntimeError, match=r"GAFUSED_FORCE_CUDA=1 needs nvcc; CUDA_HOME=.* has no .*nvcc"):
+            _run_setup(monkeypatch, runtime_only)
+        return
+    monkeypatch.delenv("GAFUSED_FORCE_CUDA", raising=False)
+    given = _run_setup(monkeypatch, runtime_only)
+    assert given["ext_modules"] == [] and given["cmdclass"] == {}
+    assert "not building the CUDA extension: no nvcc at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_build_that_fails_installs_without_the_extension_unless_forced(monkeypatch, tmp_path, capsys, forced):
+    if forced:
+        monkeypatch.setenv("GAFUSED_FORCE_CUDA", "1")
+    else:
+        monkeypatch.delenv("GAFUSED_FORCE_CUDA", raising=False)
+    given = _run_setup(monkeypatch, _toolkit(tmp_path / "cuda", nvcc=True))
+    assert given["ext_modules"] == ["gafused._C"]
+    build = given["cmdclass"]["build_ext"]()
+    build.finalize_options()
+    assert build.force, "rebuilt at every install, never served stale"
+    build.run()  # a working toolkit: nothing to report
+    assert build.extensions == ["gafused._C"]
+    monkeypatch.setattr(_FakeBuildExtension, "fail", True)
+    if forced:
+        with pytest.raises(RuntimeError, match="mismatches the version"):
+            build.run()
+        return
+    build.run()
+    assert build.extensions == []
+    err = capsys.readouterr().err
+    assert "gafused._C did not build (RuntimeError: The detected CUDA version (12.4) mismatches" in err
+    assert "GAFUSED_FORCE_CUDA=1 makes this an error" in err
