@@ -251,6 +251,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._sync: distributed.Sync = sync
         self._global: bool = model is not None  # windows end with collectives (every rank takes part)
         self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes, sync)
+        _warn_of_frozen_parameters(self._groups)
         self._home: torch.device = self._groups[0].buffer.device
         # The largest finite value of the narrowest parameter dtype whose finished gradient is cast down from the
         # buffer (fp16: 65504), or None: a finished value beyond it would reach the inner step as inf.
@@ -1937,6 +1938,24 @@ def _is_real(value: Any) -> bool:
 def _by_identity(value: Any) -> bool:
     """Whether ``_lr_value`` recorded a tensor by identity (a tuple or, after a torch.save round trip, a list)."""
     return isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "tensor"
+
+
+def _warn_of_frozen_parameters(groups: list[_Group]) -> None:
+    """Every parameter of the optimizer gets its segment of the buffer, also one that does not require grad now
+    (it may be unfrozen later); plain PyTorch spends nothing on it. Said once, at construction, with the cost."""
+    frozen = [(name, group.buffer.numels[index] * group.buffer.data.element_size())
+              for group in groups for index, (param, name) in enumerate(zip(group.params, group.names, strict=True))
+              if not param.requires_grad]  # fmt: skip
+    if frozen:
+        mib = sum(size for _, size in frozen) / 2**20
+        warnings.warn(
+            f"GradAccumulator: {len(frozen)} parameter(s) of the optimizer do not require grad (the first: "
+            f"{frozen[0][0]}); their segments of the accumulation buffer, {mib:.1f} MiB, are kept in case they are "
+            "unfrozen. Give the optimizer only the trainable parameters to save that memory (then build a new "
+            "accumulator to train ones unfrozen later).",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _add_note(error: BaseException, note: str) -> None:

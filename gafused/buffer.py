@@ -2,8 +2,9 @@
 
 Layout only: the parameters of one device are laid end to end in one flat tensor of the accumulation
 dtype, each segment starting on an aligned boundary so kernels can use wide loads. Segments are grouped into
-buckets, contiguous runs of a bounded size in the order backward produces gradients, so a bucket can be
-folded as soon as its gradients exist. The buffer knows nothing about windows, weights or backends.
+buckets, contiguous runs of a bounded size in reverse registration order (the order backward produces
+gradients in most models), so a bucket can be folded as soon as its gradients exist. The buffer knows nothing
+about windows, weights or backends.
 
 A segment holds its parameter's elements in the parameter's *memory* order: a channels_last parameter's
 segment is laid out channels_last, and the view handed out as ``p.grad`` has the parameter's strides (fused
@@ -140,6 +141,7 @@ class FlatGradBuffer:
         self._numels_tensor: torch.Tensor | None = None
         self.bucket_ranges: list[range] = _bucket_ranges(self.numels, element_size, bucket_bytes)
         self._buckets: list[FlatGradBuffer] | None = None
+        self._is_bucket = False
 
     @property
     def buckets(self) -> list[FlatGradBuffer]:
@@ -149,6 +151,8 @@ class FlatGradBuffer:
         ``bucket_ranges[b][j]`` of this buffer.
         """
         if self._buckets is None:
+            if self._is_bucket:  # its one bucket is itself: a list made per call, not kept (a reference cycle
+                return [self]  # would keep the buffer alive after its owner drops it, until a gc pass)
             self._buckets = [self._sub_buffer(indices) for indices in self.bucket_ranges]
         return self._buckets
 
@@ -167,7 +171,8 @@ class FlatGradBuffer:
         sub.data = self.data[start:end]
         sub._offsets_tensor = sub._numels_tensor = None
         sub.bucket_ranges = [range(len(sub.numels))]
-        sub._buckets = [sub]
+        sub._buckets = None
+        sub._is_bucket = True
         return sub
 
     def __len__(self) -> int:

@@ -1245,3 +1245,44 @@ def test_parameters_on_cpu_and_gpu_with_a_busy_stream_match_plain_pytorch(loop, 
         torch.testing.assert_close(opt.grad_norm.cpu().double(), norm.cpu().double(), rtol=1e-5, atol=0)
         for p, q in zip(params, plain_params, strict=True):
             torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_dropped_accumulator_frees_its_buffers_without_waiting_for_the_cycle_collector(loop):
+    """Rebuilding the accumulator (after add_param_group, model.to) must not hold two buffers at once: nothing of
+    it may sit in a reference cycle, which only a later gc pass would free."""
+    import gc
+    import weakref
+
+    model = _model(torch.float32)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, bucket_bytes=64)
+    for x, y in _data([2, 3], dtype=torch.float32, seed=3):
+        _micro_step(opt, model, x, y, loop)
+    assert opt.stepped and len(opt.buffers[0].buckets) > 1
+    data = [weakref.ref(buffer.data) for buffer in opt.buffers]
+    gc.disable()
+    try:
+        del opt
+        assert all(ref() is None for ref in data)
+    finally:
+        gc.enable()
+
+
+def test_frozen_parameters_in_the_optimizer_are_named_with_the_memory_they_cost():
+    """Plain PyTorch spends nothing on a parameter that gets no gradient; the buffer keeps its segment (it may be
+    unfrozen later), so the cost is said at construction, once, and not for trainable parameters."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model[0].requires_grad_(False)
+    with pytest.warns(UserWarning) as caught:
+        GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "2 parameter(s) of the optimizer do not require grad" in message
+    assert "param_groups[0]['params'][0] (shape (512, 512))" in message and "1.0 MiB" in message
+    assert caught[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GradAccumulator(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), 2)
