@@ -973,8 +973,8 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _fold_late(self, group_index: int, bucket_index: int, grads: list[torch.Tensor | None]) -> None:
         """Gradients for a bucket already on the wire (the counters said it was complete, but a parameter got a
-        second gradient, e.g. used twice under reentrant checkpointing, or has no hook, e.g. unfrozen after the
-        accumulator was built): fold them into a zeroed copy of the bucket's layout, which every rank reduces and
+        second gradient, e.g. used twice under reentrant checkpointing, or has no hook, e.g. made trainable while
+        this backward ran): fold them into a zeroed copy of the bucket's layout, which every rank reduces and
         adds when the window ends (_reduce_late)."""
         group = self._groups[group_index]
         bucket = group.buffer.buckets[bucket_index]

@@ -63,12 +63,19 @@ class BucketHooks:
         self._last: list[list[int]] = []  # per bucket: the count of its last call that gave any
         self._patience: list[list[int]] = []  # per bucket: the stable calls a variable bucket needs to relearn
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._owner_ref = owner_ref
+        # (buffer, bucket, parameter) of parameters that did not require grad when last looked at: hooked by the
+        # first start() that finds them trainable (a parameter unfrozen after the accumulator was built).
+        self._unhooked: list[tuple[int, int, torch.Tensor]] = []
         if params is None:
             params = [buffer.params for buffer in buffers]
         for group_index, (buffer, targets) in enumerate(zip(buffers, params, strict=True)):
             full = []
             for bucket_index, indices in enumerate(buffer.bucket_ranges):
                 hooked = [targets[i] for i in indices if targets[i].requires_grad]
+                self._unhooked += [
+                    (group_index, bucket_index, targets[i]) for i in indices if not targets[i].requires_grad
+                ]
                 full.append(len(hooked))
                 for param in hooked:
                     hook = self._make_hook(owner_ref, group_index, bucket_index)
@@ -102,12 +109,32 @@ class BucketHooks:
         return hook
 
     def start(self) -> None:
-        """Arm the counters for one backward call."""
+        """Arm the counters for one backward call (hooking parameters unfrozen since the last one)."""
+        if self._unhooked:
+            self._hook_unfrozen()
         self._call += 1
         for remaining, expected, landed in zip(self._remaining, self._expected, self._landed, strict=True):
             remaining[:] = expected
             landed[:] = [0] * len(landed)
         self.active = True
+
+    def _hook_unfrozen(self) -> None:
+        """Hook the parameters that require grad now but did not when looked at before; each bucket then waits for
+        one more gradient (or for all of them, if it waits for all)."""
+        frozen = []
+        for group_index, bucket_index, param in self._unhooked:
+            if not param.requires_grad:
+                frozen.append((group_index, bucket_index, param))
+                continue
+            hook = self._make_hook(self._owner_ref, group_index, bucket_index)
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
+            full, expected = self._full[group_index], self._expected[group_index]
+            full[bucket_index] += 1
+            if self._variable[group_index][bucket_index]:
+                expected[bucket_index] = full[bucket_index]
+            else:
+                expected[bucket_index] += 1
+        self._unhooked = frozen
 
     def stop(self, learn: bool = True) -> None:
         """End a backward call: learn how many gradients each bucket waits for in the next one (not from a call
@@ -144,3 +171,4 @@ class BucketHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._unhooked.clear()

@@ -444,7 +444,7 @@ def run_irregular(rank: int, name: str, interrupted: bool = False) -> list[torch
     opt = gafused.GradAccumulator(
         torch.optim.SGD(model.parameters(), lr=LR), N, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES, model=ddp
     )
-    if frozen:  # no gradient hook: its gradients are found when backward returns, after its bucket was sent
+    if frozen:  # no gradient hook at construction: the first backward hooks it
         model.extra.weight.requires_grad_(True)
     for window in range(IRREGULAR_WINDOWS):
         for micro in range(N):

@@ -115,6 +115,36 @@ def test_a_parameter_frozen_later_does_not_hold_its_bucket_to_the_end_of_backwar
     assert seen == [True, True, False, True, True, True, True, True, True]
 
 
+def test_a_parameter_given_frozen_and_unfrozen_later_is_folded_during_backward(backend):
+    """A parameter that did not require grad when the accumulator was built has no hook yet: the next backward
+    hooks it, so its bucket is folded while backward runs (before: its gradient lived to the end of every
+    backward). Exact against the step-time loop, with the cost named at construction."""
+    model, reference = _model(), _model()
+    for net in (model, reference):
+        net[6].weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match="1 parameter"):
+        opt = GradAccumulator(
+            torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
+        )
+    with pytest.warns(UserWarning, match="1 parameter"):
+        ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].weight.grad is None))
+    for index, x in enumerate(_batches(6, seed=6)):
+        if index == 1:
+            model[6].weight.requires_grad_(True)
+            reference[6].weight.requires_grad_(True)
+        opt.backward(_loss(model, x), weight=float(x.shape[0]))
+        opt.step()
+        _loss(reference, x).backward()
+        ref_opt.step(weight=float(x.shape[0]))
+        ref_opt.zero_grad()
+    assert opt.stepped
+    _assert_same(model, reference)
+    # Index 0: frozen, no gradient to hold. From index 1 on the weight is hooked and its bucket waits for it.
+    assert seen == [True] * 6
+
+
 def test_a_bucket_handed_over_early_waits_for_all_only_until_its_use_is_stable_again(backend):
     """Frozen, unfrozen (one early hand-over), frozen again: once the bucket's count has been the same for
     RELEARN_CALLS calls it waits for that count again, so the second freeze holds it for one backward only, like

@@ -170,8 +170,9 @@ def test_fsdp_sends_only_the_window_sums_and_the_norm(ranks: list[dict], name: s
 @pytest.mark.parametrize("name", list(cases.IRREGULAR))
 def test_irregular_gradients_match_float64_and_ranks_agree(ranks: list[dict], name: str) -> None:
     """A parameter used on one rank only is stepped on every rank (as DDP does); gradients that land after
-    their bucket's all-reduce started (a weight shared by two reentrant checkpoints, a parameter unfrozen after
-    the accumulator was built) are reduced too: every rank ends equal, at the float64 big batch's result."""
+    their bucket's all-reduce started (a weight shared by two reentrant checkpoints) are reduced too, and a
+    parameter unfrozen after the accumulator was built is hooked by the next backward: every rank ends equal, at
+    the float64 big batch's result."""
     results = [ranks[rank][f"irregular: {name}"] for rank in range(cases.WORLD)]
     for rank, result in enumerate(results):
         assert not isinstance(result, dict), f"{name} on rank {rank}: {result['error']}"
