@@ -127,6 +127,10 @@ def _cuda_build() -> tuple[list, dict]:
                     "an error.",
                     file=sys.stderr,
                 )
+                for ext in self.extensions:  # an earlier build's library would be imported (or packaged) instead
+                    stale = self.get_ext_fullpath(ext.name)
+                    if os.path.exists(stale):
+                        os.remove(stale)
                 self.extensions = []
 
     return [extension], {"build_ext": Build}

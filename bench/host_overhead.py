@@ -214,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    with interrupt.sigterm_raises():
-        table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
+    try:
+        with interrupt.sigterm_raises():
+            table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
+    except interrupt.STOPPED as stop:  # before two whole sampling rounds: nothing to show
+        print(f"STOPPED by {interrupt.describe(stop)['signal']} before two whole sampling rounds: no table")
+        return interrupt.exit_status(stop)
     stopped = table[0]["interrupted"]
     if stopped:
         print(f"PARTIAL RESULTS: stopped by {stopped['signal']} during {stopped['during']}")

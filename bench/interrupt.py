@@ -35,19 +35,25 @@ class Interrupted(BaseException):
 STOPPED = (Interrupted, KeyboardInterrupt)
 
 
+_fired = False  # a SIGTERM arrived: from then on the process ignores SIGTERM, whatever block it is in
+
+
 def _raise(signum: int, frame: object) -> None:
+    global _fired
+    _fired = True
     signal.signal(signum, signal.SIG_IGN)  # one signal stops the run; the rest must not stop the writing
     raise Interrupted(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """Within the block SIGTERM raises ``Interrupted`` (main thread only); the previous handler comes back after."""
+    """Within the block SIGTERM raises ``Interrupted`` (main thread only); the previous handler comes back after,
+    unless a SIGTERM fired: then it stays ignored, so a second one cannot cut the writing short."""
     previous = signal.signal(signal.SIGTERM, _raise)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if _fired else previous)
 
 
 @contextlib.contextmanager

@@ -1263,3 +1263,34 @@ def test_the_results_index_names_the_commit_each_gpu_file_records() -> None:
         assert commit in sentence, (path.name, commit)
     # `all` no longer runs the kernel sweep: the index says what it was then.
     assert "`bash bench/gpu_check.sh all` as it was then (env, build, tests, sanitize, kernels;" in index
+
+
+def test_a_sigterm_that_fired_stays_ignored_after_its_block(monkeypatch):
+    """Between the measuring block and the writing block a second SIGTERM must not kill the run."""
+    import signal
+
+    import interrupt
+
+    monkeypatch.setattr(interrupt, "_fired", False)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(interrupt.Interrupted):
+            with interrupt.sigterm_raises():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(10**7):  # the handler runs between bytecodes
+                    pass
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_host_overhead_stopped_before_two_rounds_says_so_and_exits_143(monkeypatch, capsys):
+    import host_overhead
+    import interrupt
+
+    def stopped(*args, **kwargs):
+        raise interrupt.Interrupted("SIGTERM")
+
+    monkeypatch.setattr(host_overhead, "rows", stopped)
+    assert host_overhead.main(["--tensors", "2", "--reps", "3"]) == 143
+    assert "STOPPED by SIGTERM before two whole sampling rounds: no table" in capsys.readouterr().out

@@ -19,9 +19,14 @@ class _FakeBuildExtension:
 
     fail = False
 
+    stale_library: Path | None = None  # where an earlier build left gafused._C
+
     def __init__(self) -> None:
-        self.extensions = ["gafused._C"]
+        self.extensions = [types.SimpleNamespace(name="gafused._C")]
         self.force = False
+
+    def get_ext_fullpath(self, name: str) -> str:
+        return str(self.stale_library)
 
     def finalize_options(self) -> None:
         pass
@@ -90,14 +95,19 @@ def test_a_build_that_fails_installs_without_the_extension_unless_forced(monkeyp
     build.finalize_options()
     assert build.force, "rebuilt at every install, never served stale"
     build.run()  # a working toolkit: nothing to report
-    assert build.extensions == ["gafused._C"]
+    assert [ext.name for ext in build.extensions] == ["gafused._C"]
+    stale = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+    stale.write_bytes(b"an earlier build")
+    monkeypatch.setattr(_FakeBuildExtension, "stale_library", stale)
     monkeypatch.setattr(_FakeBuildExtension, "fail", True)
     if forced:
         with pytest.raises(RuntimeError, match="mismatches the version"):
             build.run()
+        assert stale.exists()
         return
     build.run()
     assert build.extensions == []
+    assert not stale.exists(), "the earlier build's library would be imported instead of the other backends"
     err = capsys.readouterr().err
     assert "gafused._C did not build (RuntimeError: The detected CUDA version (12.4) mismatches" in err
     assert "GAFUSED_FORCE_CUDA=1 makes this an error" in err
