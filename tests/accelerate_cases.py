@@ -165,15 +165,28 @@ CASES: dict[str, dict[str, Any]] = {
     f"gafused-checkpoint-clip/{MAIN}": {"recipe": "gafused", "clip": True, "checkpoint": True},
     # every accelerator.backward under accelerator.trigger_sync_in_backward(model): must equal gafused-clip.
     f"gafused-trigger-clip/{MAIN}": {"recipe": "gafused", "clip": True, "trigger": True},
+    # Accelerator(dynamo_backend="eager"): the model prepare() returns is torch.compile's wrapper (around DDP on
+    # several processes): must equal gafused-clip within fp32 rounding.
+    f"gafused-compiled-clip/{MAIN}": {"recipe": "gafused", "clip": True, "compiled": True},
 }
 
 
-def _build(recipe: str, clip: bool, data: str, world: int) -> tuple[Any, ...]:
+def _reset_accelerator_state() -> None:
+    """Forget the process-wide AcceleratorState (the process group, PartialState, stays): an Accelerator built next
+    takes its own dynamo_backend, where it would otherwise inherit the first one's."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def _build(recipe: str, clip: bool, data: str, world: int, compiled: bool = False) -> tuple[Any, ...]:
     from accelerate import Accelerator
 
     import gafused.integrations.accelerate as gafused_accelerate
 
-    accelerator = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    if compiled:
+        _reset_accelerator_state()
+    accelerator = Accelerator(gradient_accumulation_steps=GA, cpu=True, dynamo_backend="eager" if compiled else "no")
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
@@ -193,6 +206,7 @@ def run_case(
     checkpoint: bool = False,
     trigger: bool = False,
     folder: str | None = None,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Train one epoch through one recipe on this process; return the final params, the ids each micro-batch held,
     the learning rate of each inner step, and gafused's norms."""
@@ -200,7 +214,9 @@ def run_case(
 
     world = PartialState().num_processes
     batches = DATA[data][1]
-    accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, data, world)
+    accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, data, world, compiled)
+    if compiled:
+        assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
     inner = optimizer.optimizer if recipe == "accelerate" else optimizer.accumulator.optimizer
     lrs: list[float] = []
     inner.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
@@ -242,6 +258,8 @@ def run_case(
             accelerator.load_state(folder)
             stream = iter(accelerator.skip_first_batches(loader, done))
     module = accelerator.unwrap_model(model)
+    if compiled:
+        _reset_accelerator_state()  # the recipes after this one build uncompiled models
     return {
         "params": [p.detach().clone() for p in module.parameters()],
         "seen": seen,
@@ -402,6 +420,7 @@ LABELS = {
     "gafused-step-clip": "Accelerate + gafused, `loss.backward(); optimizer.step(weight=w)`",
     "gafused-checkpoint-clip": "Accelerate + gafused, `save_state` mid-window, resumed",
     "gafused-trigger-clip": "Accelerate + gafused, backward under `trigger_sync_in_backward`",
+    "gafused-compiled-clip": 'Accelerate + gafused, `Accelerator(dynamo_backend="eager")`',
 }
 
 

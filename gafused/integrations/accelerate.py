@@ -329,9 +329,10 @@ def prepare(
             "adapter takes over accelerator.backward() and supports one optimizer per Accelerator"
         )
     # Accelerate records the model it was given (the DDP wrapper is only returned); torch.compile wraps last.
-    # (unwrap_model keeps a torch.compile wrapper by default; Accelerate recorded the module inside it.)
-    unwrapped = accelerator.unwrap_model(model)
-    candidates = (model, unwrapped, getattr(unwrapped, "_orig_mod", unwrapped))
+    # Accelerate recorded the module inside a torch.compile wrapper. (unwrap_model's default keeps the wrapper and
+    # points it at the module inside DDP: the model would lose its DDP wrapper.)
+    unwrapped = accelerator.unwrap_model(getattr(model, "_orig_mod", model))
+    candidates = (model, unwrapped)
     if not any(prepared is candidate for prepared in accelerator._models for candidate in candidates):
         raise TypeError(f"model must be the model returned by accelerator.prepare(), got {type(model).__name__}")
     distributed_type = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)

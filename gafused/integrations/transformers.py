@@ -485,6 +485,10 @@ def _label_smoother_shifts(accelerator: Any, model: torch.nn.Module) -> bool:
     """Whether Trainer's ``compute_loss`` calls its LabelSmoother with ``shift_labels=True`` for ``model``: when the
     class name of the model it unwraps (Accelerate's wrappers removed, torch.compile's kept; a PEFT model's
     ``base_model.model``) is a causal LM of transformers' auto mapping."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        # Trainer's unwrap_model keeps the compiled wrapper, whose class name is no causal LM's. (Asked here, it
+        # would also point the wrapper at the module inside DDP, which Accelerate does when it keeps the wrapper.)
+        return False
     unwrapped = accelerator.unwrap_model(model)
     if _is_peft_model(unwrapped):
         unwrapped = unwrapped.base_model.model
