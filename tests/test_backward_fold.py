@@ -4,6 +4,7 @@ Every result is compared with the step-time loop or a float64 big batch; each te
 can run here (Triton through its interpreter on CPU).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -81,17 +82,22 @@ def test_buckets_are_folded_and_released_while_backward_runs(backend, monkeypatc
     assert opt.stepped
 
 
-def _freeze_schedule(backend, frozen_at, seed) -> list[bool]:
+def _freeze_schedule(backend, frozen_at, seed, watch="bias") -> list[bool]:
     """Train with the last layer's weight frozen at the indices ``frozen_at`` says, folding during backward, against
     the step-time loop (asserted exact); returns, per micro-batch, whether the last layer's bucket was folded while
-    backward ran (its bias gradient gone by the time the first layer's weight gradient lands)."""
+    backward ran (its ``watch`` gradient gone by the time the first layer's weight gradient lands). The accumulators
+    are built with the weight as ``frozen_at[0]`` says (frozen: construction warns about it)."""
     model, reference = _model(), _model()
-    opt = GradAccumulator(
-        torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
-    )
-    ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
+    for net in (model, reference):
+        net[6].weight.requires_grad_(not frozen_at[0])
+    with pytest.warns(UserWarning, match="1 parameter") if frozen_at[0] else contextlib.nullcontext():
+        opt = GradAccumulator(
+            torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
+        )
+        ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
     seen = []
-    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].bias.grad is None))
+    watched = getattr(model[6], watch)
+    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(watched.grad is None))
     for index, x in enumerate(_batches(len(frozen_at), seed=seed)):
         model[6].weight.requires_grad_(not frozen_at[index])
         reference[6].weight.requires_grad_(not frozen_at[index])
@@ -119,28 +125,7 @@ def test_a_parameter_given_frozen_and_unfrozen_later_is_folded_during_backward(b
     """A parameter that did not require grad when the accumulator was built has no hook yet: the next backward
     hooks it, so its bucket is folded while backward runs (before: its gradient lived to the end of every
     backward). Exact against the step-time loop, with the cost named at construction."""
-    model, reference = _model(), _model()
-    for net in (model, reference):
-        net[6].weight.requires_grad_(False)
-    with pytest.warns(UserWarning, match="1 parameter"):
-        opt = GradAccumulator(
-            torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=_layer_bytes() - 8
-        )
-    with pytest.warns(UserWarning, match="1 parameter"):
-        ref_opt = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), 3, backend=backend)
-    seen = []
-    model[0].weight.register_post_accumulate_grad_hook(lambda param: seen.append(model[6].weight.grad is None))
-    for index, x in enumerate(_batches(6, seed=6)):
-        if index == 1:
-            model[6].weight.requires_grad_(True)
-            reference[6].weight.requires_grad_(True)
-        opt.backward(_loss(model, x), weight=float(x.shape[0]))
-        opt.step()
-        _loss(reference, x).backward()
-        ref_opt.step(weight=float(x.shape[0]))
-        ref_opt.zero_grad()
-    assert opt.stepped
-    _assert_same(model, reference)
+    seen = _freeze_schedule(backend, [True] + [False] * 5, seed=6, watch="weight")
     # Index 0: frozen, no gradient to hold. From index 1 on the weight is hooked and its bucket waits for it.
     assert seen == [True] * 6
 

@@ -371,12 +371,9 @@ def _micro_batch(accelerator, model, optimizer, batch: torch.Tensor, index: int,
         optimizer.step(weight=1.0 + index)
 
 
-def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
-    """gradient_accumulation_steps=2 over 5 batches: inner steps after micro-batches 2, 4 and 5 (end of the data),
-    each on the weighted mean of its window, and the scheduler steps once per window."""
-    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=5)
-    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    initial = _initial_state(accelerator, model)
+def _train_windows(accelerator, model, optimizer, loader, scheduler) -> tuple[list[torch.Tensor], list[bool]]:
+    """Every batch of ``loader`` as a micro-batch of weight 1 + index; the batches (for the reference) and, per
+    batch, whether the optimizer stepped."""
     stepped, batches = [], list(loader)
     for index, batch in enumerate(loader):
         with accelerator.accumulate(model):
@@ -385,22 +382,20 @@ def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
             scheduler.step()
             optimizer.zero_grad()
         stepped.append(optimizer.stepped)
+    return batches, stepped
+
+
+def test_windows_follow_sync_gradients(fresh_accelerate) -> None:
+    """gradient_accumulation_steps=2 over 5 batches: inner steps after micro-batches 2, 4 and 5 (end of the data),
+    each on the weighted mean of its window, and the scheduler steps once per window."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=5)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = _initial_state(accelerator, model)
+    batches, stepped = _train_windows(accelerator, model, optimizer, loader, scheduler)
     assert stepped == [False, True, False, True, True]
     assert scheduler.scheduler.last_epoch == 3
     reference = _reference_windows(initial, batches, [[0, 1], [2, 3], [4]], [0.1 / (1 + w) for w in range(3)])
     _assert_matches(accelerator.unwrap_model(model), reference)
-
-
-def _train_windows(accelerator, model, optimizer, loader, scheduler) -> list[torch.Tensor]:
-    """Every batch of ``loader`` as a micro-batch of weight 1 + index; the batches, for the reference."""
-    batches = list(loader)
-    for index, batch in enumerate(loader):
-        with accelerator.accumulate(model):
-            accelerator.backward(model(batch).square().mean(), weight=1.0 + index)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-    return batches
 
 
 def test_a_model_compiled_by_accelerate_is_accepted_and_trains_exactly(fresh_accelerate) -> None:
@@ -417,7 +412,7 @@ def test_a_model_compiled_by_accelerate_is_accepted_and_trains_exactly(fresh_acc
     assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
     initial = {k: v.clone() for k, v in module.state_dict().items()}
-    batches = _train_windows(accelerator, model, optimizer, loader, scheduler)
+    batches, _ = _train_windows(accelerator, model, optimizer, loader, scheduler)
     reference = _reference_windows(initial, batches, [[0, 1], [2, 3], [4]], [0.1 / (1 + w) for w in range(3)])
     _assert_matches(module, reference)
 
@@ -443,7 +438,7 @@ def test_free_memory_gives_the_accelerator_back_for_a_new_run(fresh_accelerate) 
         initial = _initial_state(accelerator, model)
         if run == "gafused":
             optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-            batches = _train_windows(accelerator, model, optimizer, loader, scheduler)
+            batches, _ = _train_windows(accelerator, model, optimizer, loader, scheduler)
             windows = [[0, 1], [2, 3]]
             reference = _reference_windows(initial, batches, windows, [0.1 / (1 + w) for w in range(2)])
             _assert_matches(module, reference)
