@@ -51,7 +51,7 @@ class BucketHooks:
     def __init__(
         self, buffers: list[FlatGradBuffer], owner: object, params: list[list[torch.Tensor]] | None = None
     ) -> None:
-        owner_ref = weakref.ref(owner)
+        self._owner_ref = weakref.ref(owner)
         self.active = False
         self._call = 0  # numbers the backward calls, to count each parameter once per call
         self._full: list[list[int]] = []  # per bucket: its hooked parameters
@@ -63,7 +63,6 @@ class BucketHooks:
         self._last: list[list[int]] = []  # per bucket: the count of its last call that gave any
         self._patience: list[list[int]] = []  # per bucket: the stable calls a variable bucket needs to relearn
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._owner_ref = owner_ref
         # (buffer, bucket, parameter) of parameters that did not require grad when last looked at: hooked by the
         # first start() that finds them trainable (a parameter unfrozen after the accumulator was built).
         self._unhooked: list[tuple[int, int, torch.Tensor]] = []
@@ -78,8 +77,7 @@ class BucketHooks:
                 ]
                 full.append(len(hooked))
                 for param in hooked:
-                    hook = self._make_hook(owner_ref, group_index, bucket_index)
-                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                    self._hook(param, group_index, bucket_index)
             self._full.append(full)
             self._expected.append(list(full))
             self._remaining.append(list(full))
@@ -89,7 +87,12 @@ class BucketHooks:
             self._last.append([0] * len(full))
             self._patience.append([0] * len(full))
 
-    def _make_hook(self, owner_ref: weakref.ref, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
+    def _hook(self, param: torch.Tensor, group_index: int, bucket_index: int) -> None:
+        """Count ``param``'s gradient for bucket ``bucket_index`` of buffer ``group_index``."""
+        self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, bucket_index)))
+
+    def _make_hook(self, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
+        owner_ref = self._owner_ref
         last_call = -1
 
         def hook(param: torch.Tensor) -> None:
@@ -126,8 +129,7 @@ class BucketHooks:
             if not param.requires_grad:
                 frozen.append((group_index, bucket_index, param))
                 continue
-            hook = self._make_hook(self._owner_ref, group_index, bucket_index)
-            self._handles.append(param.register_post_accumulate_grad_hook(hook))
+            self._hook(param, group_index, bucket_index)
             full, expected = self._full[group_index], self._expected[group_index]
             full[bucket_index] += 1
             if self._variable[group_index][bucket_index]:

@@ -328,12 +328,12 @@ def prepare(
             f"optimizer: the accelerator prepared {len(accelerator._optimizers)} optimizers; gafused's Accelerate "
             "adapter takes over accelerator.backward() and supports one optimizer per Accelerator"
         )
-    # Accelerate records the model it was given (the DDP wrapper is only returned); torch.compile wraps last.
-    # Accelerate recorded the module inside a torch.compile wrapper. (unwrap_model's default keeps the wrapper and
-    # points it at the module inside DDP: the model would lose its DDP wrapper.)
-    unwrapped = accelerator.unwrap_model(getattr(model, "_orig_mod", model))
-    candidates = (model, unwrapped)
-    if not any(prepared is candidate for prepared in accelerator._models for candidate in candidates):
+    # Accelerate records the model it was given (the DDP wrapper is only returned); torch.compile wraps last, so
+    # the module inside its wrapper is unwrapped (unwrap_model given the wrapper would point it at the module
+    # inside DDP: the model would lose its DDP wrapper).
+    inner = getattr(model, "_orig_mod", model)
+    unwrapped = accelerator.unwrap_model(inner)
+    if not any(prepared is model or prepared is unwrapped for prepared in accelerator._models):
         raise TypeError(f"model must be the model returned by accelerator.prepare(), got {type(model).__name__}")
     distributed_type = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if distributed_type not in _SUPPORTED:
@@ -341,7 +341,7 @@ def prepare(
             f"accelerator: distributed_type {distributed_type} is not supported by gafused's Accelerate adapter "
             "(one process, or DDP)"
         )
-    wrapped = getattr(model, "_orig_mod", model) if accelerator.num_processes > 1 else None  # under torch.compile
+    wrapped = inner if accelerator.num_processes > 1 else None
     if wrapped is not None and not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"model: with {accelerator.num_processes} processes accelerator.prepare() returns a "
