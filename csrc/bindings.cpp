@@ -83,13 +83,18 @@ void check_layout(const char* op, const at::Tensor& acc, const std::vector<int64
   TORCH_CHECK(offsets.size() == numels.size(), op, ": offsets and numels must have the same length, got ",
               num(offsets.size()), " and ", num(numels.size()));
   const int64_t size = acc.numel();
+  int64_t end = 0;  // where the previous segment ends
   for (size_t i = 0; i < offsets.size(); ++i) {
     TORCH_CHECK(offsets[i] >= 0 && numels[i] >= 0, op, ": segment ", num(i), " has a negative offset or numel (",
                 num(offsets[i]), ", ", num(numels[i]), ")");
+    // Overlapping segments would be read and written by different blocks at once (acc is __restrict__).
+    TORCH_CHECK(offsets[i] >= end, op, ": segment ", num(i), " starts at ", num(offsets[i]), ", before segment ",
+                num(i - 1), " ends at ", num(end), ": segments must be ordered and non-overlapping");
     // Written as a subtraction so that huge values cannot overflow past the check.
     TORCH_CHECK(offsets[i] <= size && numels[i] <= size - offsets[i], op, ": segment ", num(i), " [",
                 num(offsets[i]), ", ", num(offsets[i]), " + ", num(numels[i]), ") ends past acc's ", num(size),
                 " elements");
+    end = offsets[i] + numels[i];
   }
 }
 

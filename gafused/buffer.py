@@ -56,6 +56,28 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def check_layout(offsets: Sequence[int], numels: Sequence[int], acc_numel: int) -> None:
+    """Refuse a layout a backend cannot run: segments must be in order, disjoint, and inside ``acc``.
+
+    ``FlatGradBuffer`` only builds such layouts; this guards the backends' own entry points, where overlapping
+    segments would be folded by concurrent blocks (a race on a GPU) or scaled twice.
+    """
+    if len(offsets) != len(numels):
+        raise ValueError(f"offsets and numels must have the same length, got {len(offsets)} and {len(numels)}")
+    end = 0
+    for index, (start, numel) in enumerate(zip(offsets, numels, strict=True)):
+        if start < 0 or numel < 0:
+            raise ValueError(f"segment {index} has a negative offset or numel ({start}, {numel})")
+        if start < end:
+            raise ValueError(
+                f"segment {index} starts at {start}, before segment {index - 1} ends at {end}: segments must be "
+                "ordered and non-overlapping"
+            )
+        end = start + numel
+        if end > acc_numel:
+            raise ValueError(f"segment {index} [{start}, {end}) lies outside acc of {acc_numel} elements")
+
+
 def _bucket_ranges(numels: list[int], element_size: int, bucket_bytes: int) -> list[range]:
     """Contiguous runs of segments of about ``bucket_bytes``, cut from the last segment backwards (backward
     produces the last layers' gradients first, as DDP assumes); returned in that order, last segments first."""

@@ -3,7 +3,8 @@
 Each op is one multi-tensor launch over the whole buffer (plus a one-block cleanup for reductions; a fold
 launches once per gradient dtype present): a per-call table of gradient pointers, offsets and sizes goes to
 the device with the arguments, so the number of launches does not grow with the number of parameters.
-Scalars stay on the device.
+Scalars stay on the device. The kernels write through raw pointers, so each op bumps the autograd version of
+the tensor it writes, as torch's in-place ops do (a write to a tensor saved for backward is then reported).
 
 Importing this module fails with ImportError when the extension was not built; gafused.ops remembers that
 error and reports it with the command that builds the extension.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.graph import increment_version
 
 try:
     from gafused import _C
@@ -95,6 +97,7 @@ def fold_(
         first: overwrite instead of adding.
     """
     _C.fold_(acc, list(grads), list(offsets), list(numels), _device_scalar(weight, acc), first, _stream(acc))
+    increment_version(acc)
 
 
 def fold_finish_(
@@ -120,7 +123,7 @@ def fold_finish_(
     Returns:
         (0-d sum of squares in ``acc.dtype``, 0-d bool flag), both on ``acc``'s device.
     """
-    return _C.fold_finish_(
+    result = _C.fold_finish_(
         acc,
         list(grads),
         list(offsets),
@@ -130,6 +133,8 @@ def fold_finish_(
         first,
         _stream(acc),
     )
+    increment_version(acc)
+    return result
 
 
 def sum_of_squares(acc: torch.Tensor, offsets: list[int], numels: list[int], per_segment: bool) -> torch.Tensor:
@@ -161,3 +166,4 @@ def scale_(
         out: None, or a flat contiguous float tensor with ``acc``'s number of elements on its device.
     """
     _C.scale_(acc, list(offsets), list(numels), _device_scalar(coef, acc), out, _stream(acc))
+    increment_version(acc if out is None else out)

@@ -31,6 +31,8 @@ import math
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .buffer import check_layout
+
 __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_reason"]
 
 # The most bytes of temporaries alive at once (see the module docstring). Off the CPU each chunk of a middle fold
@@ -71,16 +73,13 @@ class _Views:
 
 def _split(data: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
     """1-D views of the segments of flat ``data``: one split call, padding pieces dropped."""
+    check_layout(offsets, numels, data.numel())
     sizes: list[int] = []
     cursor = 0
     for start, numel in zip(offsets, numels, strict=True):
-        if start < cursor or numel < 0:
-            raise ValueError("foreach backend: segments must be ordered, non-overlapping and of non-negative size")
         sizes.append(start - cursor)
         sizes.append(numel)
         cursor = start + numel
-    if cursor > data.numel():
-        raise ValueError(f"segment ending at {cursor} lies outside acc of {data.numel()} elements")
     sizes.append(data.numel() - cursor)
     return list(data.split_with_sizes(sizes)[1:-1:2])
 

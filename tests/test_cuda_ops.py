@@ -30,6 +30,11 @@ MODES = {
     "first_and_last": dict(first=True, finish=True),
 }
 LAYOUTS = ["aligned", "misaligned"]
+# Folds also see aligned segments with gradients that are not 16-byte aligned (e.g. views into a DDP bucket).
+FOLD_LAYOUTS = [*LAYOUTS, "misaligned_grads"]
+# csrc/gafused_kernels.h kChunkElems and csrc/kernel_utils.cuh kThreads.
+CHUNK_ELEMS = 8192
+BLOCK_THREADS = 256
 
 
 # --- CPU: the backend is reported missing, never used silently ------------------------------------------------
@@ -151,14 +156,20 @@ def _grad(numel: int, dtype: torch.dtype, layout: str, gen) -> torch.Tensor:
 
 
 def _case(accum_dtype: torch.dtype, layout: str, seed: int, missing: tuple[int, ...] = (1, 9)):
-    """Segments of every size for every gradient dtype, some without a gradient."""
+    """Segments of every size for every gradient dtype, some without a gradient.
+
+    ``layout``: "aligned" (segments and gradients 16-byte aligned), "misaligned" (neither), "misaligned_grads"
+    (aligned segments, gradients one element into their storage).
+    """
     gen = _generator(seed)
     numels = [numel for _ in GRAD_DTYPES for numel in SIZES]
     dtypes = [dtype for dtype in GRAD_DTYPES for _ in SIZES]
-    offsets, size = _layout(numels, layout)
+    offsets, size = _layout(numels, "aligned" if layout == "misaligned_grads" else layout)
     acc = _accumulator(size, offsets, numels, accum_dtype, gen)
+    grad_layout = "aligned" if layout == "aligned" else "misaligned"
     grads = [
-        None if i in missing else _grad(n, d, layout, gen) for i, (n, d) in enumerate(zip(numels, dtypes, strict=True))
+        None if i in missing else _grad(n, d, grad_layout, gen)
+        for i, (n, d) in enumerate(zip(numels, dtypes, strict=True))
     ]
     return acc, grads, offsets, numels
 
@@ -182,7 +193,7 @@ def _fold(module, acc, grads, offsets, numels, weight, scale, first, finish):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", FOLD_LAYOUTS)
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES, ids=str)
 def test_fold_matches_reference_bitwise(accum_dtype, mode, layout):
@@ -226,6 +237,102 @@ def test_window_of_micro_batches_matches_reference(accum_dtype):
         _assert_bitwise(acc, expected)
     torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[accum_dtype], atol=0)
     assert not bool(result[1]) and not bool(expected_result[1])
+
+
+def _more_chunks_than_resident_blocks() -> int:
+    """Elements that make at least two chunks per block of any launch: the kernels' grids are capped at the blocks
+    the device holds at once, at most its threads per SM / BLOCK_THREADS per SM."""
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    most_blocks = properties.multi_processor_count * properties.max_threads_per_multi_processor // BLOCK_THREADS
+    return 2 * most_blocks * CHUNK_ELEMS
+
+
+@pytest.mark.gpu
+def test_blocks_that_walk_many_chunks_across_segments_match_reference():
+    """Real models give each block hundreds of chunks, which it walks across segment boundaries (including empty
+    segments) and reduces one after another: every test above fits one chunk per block."""
+    gen = _generator(11)
+    total = _more_chunks_than_resident_blocks()
+    numels = [0, total // 2 + 1, 1, 0, 8191, total // 2 + 8193, 0, 5]
+    offsets, size = _layout(numels, "aligned")
+    acc = _accumulator(size, offsets, numels, torch.float32, gen)
+    expected = acc.clone()
+    weight, scale = _scalar(0.6, torch.float32), _scalar(0.5, torch.float32)
+    for first, finish in ((True, False), (False, False), (False, True)):
+        grads = [None if i == 2 else _random(n, torch.bfloat16, gen) for i, n in enumerate(numels)]
+        result = _fold(_backend(), acc, grads, offsets, numels, weight, scale, first, finish)
+        expected_result = _fold(reference, expected, grads, offsets, numels, weight, scale, first, finish)
+        _assert_bitwise(acc, expected)
+    torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[torch.float32], atol=0)
+    assert not bool(result[1])
+    for per_segment in (False, True):
+        torch.testing.assert_close(
+            _backend().sum_of_squares(acc, offsets, numels, per_segment),
+            reference.sum_of_squares(acc, offsets, numels, per_segment),
+            rtol=SUM_RTOL[torch.float32],
+            atol=0,
+        )
+
+
+@pytest.mark.gpu
+def test_ops_run_on_the_current_stream():
+    """Gradients made on a side stream are folded there, ordered after the kernel that wrote them: a launch on
+    another stream would read them before they exist."""
+    acc, grads, offsets, numels = _case(torch.float32, "aligned", seed=13)
+    expected = acc.clone()
+    weight, scale = _scalar(0.5, torch.float32), _scalar(0.25, torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the side stream is busy when the gradients are made and folded
+        made = [None if grad is None else grad * 2 for grad in grads]
+        result = _backend().fold_finish_(acc, made, offsets, numels, weight, scale, False)
+        _backend().scale_(acc, offsets, numels, weight, None)
+    side.synchronize()
+    expected_result = reference.fold_finish_(
+        expected, [None if grad is None else grad * 2 for grad in grads], offsets, numels, weight, scale, False
+    )
+    reference.scale_(expected, offsets, numels, weight, None)
+    _assert_bitwise(acc, expected)
+    torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[torch.float32], atol=0)
+
+
+@pytest.mark.gpu
+def test_a_buffer_on_another_device_than_the_current_one():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    with torch.cuda.device(1):
+        acc, grads, offsets, numels = _case(torch.float32, "aligned", seed=17)
+    expected = acc.clone()
+    weight, scale = _scalar(0.5, torch.float32).to(acc.device), _scalar(0.25, torch.float32).to(acc.device)
+    with torch.cuda.device(0):
+        result = _backend().fold_finish_(acc, grads, offsets, numels, weight, scale, False)
+    expected_result = reference.fold_finish_(expected, grads, offsets, numels, weight, scale, False)
+    _assert_bitwise(acc, expected)
+    torch.testing.assert_close(result[0], expected_result[0], rtol=SUM_RTOL[torch.float32], atol=0)
+    assert result[0].device == acc.device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fold_", "fold_finish_", "scale_", "scale_ out"])
+def test_every_write_is_seen_by_autograd(op):
+    """The kernels write through raw pointers; each op bumps the written tensor's version as torch's in-place ops
+    do, so a write to a tensor saved for backward is reported."""
+    weight = _scalar(0.5, torch.float32)
+    grads = [torch.ones(8, device="cuda")]
+    acc, out = torch.randn(8, device="cuda"), torch.zeros(8, device="cuda")
+    writes = {
+        "fold_": (lambda: _backend().fold_(acc, grads, [0], [8], weight, False), acc),
+        "fold_finish_": (lambda: _backend().fold_finish_(acc, grads, [0], [8], weight, weight, False), acc),
+        "scale_": (lambda: _backend().scale_(acc, [0], [8], weight, None), acc),
+        "scale_ out": (lambda: _backend().scale_(acc, [0], [8], weight, out), out),
+    }
+    write, written = writes[op]
+    x = torch.randn(8, device="cuda", requires_grad=True)
+    saved = (x * written).sum()  # mul saves ``written`` for x's gradient
+    write()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
 
 
 @pytest.mark.gpu
@@ -435,6 +542,10 @@ def test_argument_errors_name_the_argument():
         (lambda: _C.fold_(acc, [grad.cpu()], [0], [8], weight, True, stream), "grads[0] is on cpu"),
         (lambda: _C.fold_(acc.half(), [grad], [0], [8], weight.half(), True, stream), "acc must be float32 or float64"),
         (lambda: _C.fold_(acc, [grad], [60], [8], weight, True, stream), "ends past"),
+        (
+            lambda: _C.fold_(acc, [grad, grad], [0, 4], [8, 8], weight, True, stream),
+            "segment 1 starts at 4, before segment 0 ends at 8: segments must be ordered and non-overlapping",
+        ),
         (lambda: _C.fold_(acc, [grad], [0], [7], weight, True, stream), "grads[0] has 8 elements"),
         (lambda: _C.fold_(acc, [torch.ones(4, 2, device="cuda").t()], [0], [8], weight, True, stream), "contiguous"),
         (lambda: _C.fold_(acc, [grad], [0], [8], weight.cpu(), True, stream), "weight must be on acc's device"),

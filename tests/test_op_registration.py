@@ -68,3 +68,57 @@ def test_opcheck_catches_an_undeclared_mutation():
 
     results = torch.library.opcheck(undeclared, (torch.randn(8), 0.5), raise_exception=False)
     assert results["test_schema"] != "SUCCESS"
+
+
+def _writes(module, acc: torch.Tensor, out: torch.Tensor) -> dict:
+    """Each eager op that writes, called on the backend module itself, with the tensor it writes."""
+    weight = torch.tensor(0.75, dtype=acc.dtype)
+    grads = _grads(torch.bfloat16)
+    return {
+        "fold_": (lambda: module.fold_(acc, grads, OFFSETS, NUMELS, weight, False), acc),
+        "fold_finish_": (lambda: module.fold_finish_(acc, grads, OFFSETS, NUMELS, weight, weight, False), acc),
+        "scale_": (lambda: module.scale_(acc, OFFSETS, NUMELS, weight, None), acc),
+        "scale_ out": (lambda: module.scale_(acc, OFFSETS, NUMELS, weight, out), out),
+    }
+
+
+def test_every_eager_write_is_seen_by_autograd(backend):
+    """A kernel writing through a raw pointer bumps the tensor's version as torch's in-place ops do, so a write to a
+    tensor saved for backward is reported instead of giving a wrong gradient silently."""
+    module = ops._backend_for(torch.zeros(1), backend)
+    for name in ("fold_", "fold_finish_", "scale_", "scale_ out"):
+        write, written = _writes(module, torch.randn(64), torch.zeros(64))[name]
+        x = torch.randn(64, requires_grad=True)
+        saved = (x * written).sum()  # mul saves ``written`` for x's gradient
+        write()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+
+
+OVERLAPPING = {
+    "overlap": ([0, 10], [16, 8]),
+    "out of order": ([32, 0], [8, 8]),
+    "past the end": ([0, 60], [8, 8]),
+    "negative": ([0, -4], [8, 8]),
+}
+
+
+@pytest.mark.parametrize("offsets, numels", OVERLAPPING.values(), ids=OVERLAPPING.keys())
+def test_every_backend_refuses_a_layout_of_overlapping_or_outside_segments(backend, offsets, numels):
+    """``FlatGradBuffer`` never builds such layouts; called directly, no backend folds them (two blocks of a GPU
+    launch would race on an overlap) and a refused call writes nothing."""
+    module = ops._backend_for(torch.zeros(1), backend)
+    acc = torch.randn(64)
+    before = acc.clone()
+    grads = [torch.ones(n if n > 0 else 1) for n in numels]
+    weight = torch.tensor(0.5)
+    calls = {
+        "fold_": lambda: module.fold_(acc, grads, offsets, numels, weight, False),
+        "fold_finish_": lambda: module.fold_finish_(acc, grads, offsets, numels, weight, weight, False),
+        "sum_of_squares": lambda: module.sum_of_squares(acc, offsets, numels, False),
+        "scale_": lambda: module.scale_(acc, offsets, numels, weight, None),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"segment 1 .*(ordered and non-overlapping|outside acc|negative)"):
+            call()
+        assert torch.equal(acc, before), name

@@ -146,6 +146,21 @@ def test_sum_of_squares_matches_float64_and_repeats_bitwise(shapes):
     torch.testing.assert_close(ops.norm(buffer, backend="reference"), total.sqrt())
 
 
+def test_sum_of_squares_of_a_long_segment_is_one_rounding_from_exact(monkeypatch):
+    """The oracle's sums of squares must beat the kernels it checks: on a 10M-element float32 segment a float32
+    accumulation (torch.dot) drifts by ~4e-6; adding in float64 leaves only the final rounding (2**-24). The piece
+    size is lowered so the segment spans several pieces."""
+    values = torch.rand(10_000_000, generator=torch.Generator().manual_seed(3)) + 0.5
+    exact = float(np.sum(np.square(values.numpy().astype(np.float64))))  # pairwise in float64
+    for piece in (reference._SQUARES_PIECE, 3_000_001):
+        monkeypatch.setattr(reference, "_SQUARES_PIECE", piece)
+        total = reference.sum_of_squares(values, [0], [values.numel()], per_segment=False)
+        per_segment = reference.sum_of_squares(values, [0], [values.numel()], per_segment=True)
+        assert total.dtype == torch.float32
+        assert float(total) == pytest.approx(exact, rel=2**-24)
+        assert float(per_segment[0]) == pytest.approx(exact, rel=2**-24)
+
+
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_scale_in_place_or_cast(out_dtype):
     generator = torch.Generator().manual_seed(6)

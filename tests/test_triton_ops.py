@@ -367,6 +367,28 @@ def test_compiled_kernels_do_not_need_numpy():
 
 
 @needs_triton
+@pytest.mark.parametrize("per_segment", [False, True], ids=["total", "per_segment"])
+def test_stage_two_adds_many_partials_without_drift(per_segment):
+    """A 7B-parameter float32 buffer leaves 1.7M block partials, about 1,700 per lane of the stage-2 reduction.
+    Each partial here is 1.0001 and each lane adds 512: in float32 every add rounds at the running sum's
+    magnitude and the lanes drift by 2.7e-6 (23 float32 epsilons); the result must be one rounding from exact."""
+    from types import SimpleNamespace
+
+    from gafused.triton_backend.norm import reduce_partials
+
+    count = _layout.REDUCE_BLOCK * 512
+    partials = torch.full((count,), 1.0001, dtype=torch.float32, device=DEVICE)
+    table = SimpleNamespace(
+        segment_numel=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        n_blocks=count,
+        segment_first_block=torch.tensor([0, count], device=DEVICE),
+    )
+    total, _ = reduce_partials(partials, None, table, per_segment=per_segment)
+    exact = count * float(partials[0])  # in float64: exact
+    assert float(total.reshape(-1)[0]) == pytest.approx(exact, rel=torch.finfo(torch.float32).eps)
+
+
+@needs_triton
 def test_layout_outside_acc_is_rejected():
     from gafused.triton_backend import sum_of_squares
 

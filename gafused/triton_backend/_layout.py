@@ -50,6 +50,8 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..buffer import check_layout
+
 R = TypeVar("R")
 
 # Sentinels in a gradient table; real entries are element offsets >= 0 from the launch's base pointer.
@@ -163,11 +165,7 @@ def _block_table(
     offsets: tuple[int, ...],
     numels: tuple[int, ...],
 ) -> BlockTable:
-    if len(offsets) != len(numels):
-        raise ValueError(f"offsets and numels must have the same length, got {len(offsets)} and {len(numels)}")
-    for start, numel in zip(offsets, numels, strict=True):
-        if start < 0 or numel < 0 or start + numel > acc_numel:
-            raise ValueError(f"segment [{start}, {start + numel}) lies outside acc of {acc_numel} elements")
+    check_layout(offsets, numels, acc_numel)
     block_size, num_warps = launch_config(numels, itemsize)
     numel_cpu = torch.tensor(numels, dtype=torch.int64)
     blocks_per_segment = (numel_cpu + block_size - 1) // block_size

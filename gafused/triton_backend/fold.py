@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from gafused.triton_backend._layout import (
     OTHER_LAUNCH,
@@ -158,6 +159,7 @@ def _launch(
                 enable_fp_fusion=False,
             )
         del tables  # copies made for the launches: the stream orders their reuse after the kernels
+        increment_version(acc)  # as a torch in-place op would: autograd then sees the write
     if not finish:
         return None
     total, flag = reduce_partials(partials, flags, table, per_segment=False)

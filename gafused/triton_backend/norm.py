@@ -62,15 +62,17 @@ def _reduce_partials_kernel(
         low = 0
         high = n_partials
     lanes = tl.arange(0, REDUCE).to(tl.int64)
-    total = tl.zeros((REDUCE,), dtype=out_ptr.dtype.element_ty)
+    # Each lane adds n_partials / REDUCE values one after another (over a thousand for a 7B-parameter float32
+    # buffer): in float32 that drifts by up to ~1e-5 relative, so lanes add in float64 and round once at the end.
+    total = tl.zeros((REDUCE,), dtype=tl.float64)
     flag = tl.zeros((REDUCE,), dtype=tl.int32)
     for chunk in range(low, high, REDUCE):
         index = chunk + lanes
         mask = index < high
-        total += tl.load(partial_ptr + index, mask=mask, other=0.0)
+        total += tl.load(partial_ptr + index, mask=mask, other=0.0).to(tl.float64)
         if HAS_FLAG:
             flag = tl.maximum(flag, tl.load(flag_ptr + index, mask=mask, other=0).to(tl.int32))
-    tl.store(out_ptr + program, tl.sum(total, axis=0))
+    tl.store(out_ptr + program, tl.sum(total, axis=0).to(out_ptr.dtype.element_ty))
     if HAS_FLAG:
         tl.store(out_flag_ptr + program, tl.max(flag, axis=0).to(out_flag_ptr.dtype.element_ty))
 

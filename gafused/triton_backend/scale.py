@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from gafused.triton_backend._layout import block_position, block_table, on_acc_device
 
@@ -104,3 +105,4 @@ def scale_(
         num_warps=table.num_warps,
         enable_fp_fusion=False,
     )
+    increment_version(acc if out is None else out)  # as a torch in-place op would: autograd then sees the write
