@@ -276,7 +276,7 @@ class GradAccumulator(torch.optim.Optimizer):
             param for param_group in optimizer.param_groups for param in param_group["params"]
         )
         # Each parameter's (device, dtype, grad_dtype) as the buffers were laid out for: checked at window edges.
-        self._kinds = list(map(_KIND_OF, self._managed))
+        self._kinds = list(map(_kind_of, self._managed))
 
         self.micro_step: int = 0
         self.stepped: bool = False
@@ -1141,7 +1141,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if not identity:
             return
         current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
-        if all(map(operator.is_, current, self._managed)) and list(map(_KIND_OF, self._managed)) == self._kinds:
+        if all(map(operator.is_, current, self._managed)) and list(map(_kind_of, self._managed)) == self._kinds:
             return
         built_with = zip(self._managed, self._kinds, strict=True)
         for g, param_group in enumerate(groups):
@@ -1153,11 +1153,12 @@ class GradAccumulator(torch.optim.Optimizer):
                         "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
                         "optimizer's parameters"
                     )
-                if _KIND_OF(param) != kind:
+                if _kind_of(param) != kind:
                     raise RuntimeError(
-                        f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: (device, dtype, "
-                        f"grad_dtype) {_KIND_OF(param)}, built for {kind}. Build a new GradAccumulator after moving "
-                        "or casting the model (model.to(...), model.double()) or changing a parameter's grad_dtype"
+                        f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: "
+                        f"{_kind_change(param, kind)}. Build a new GradAccumulator after moving, casting or "
+                        "converting the model (model.to(...), model.double(), model.to(memory_format=...)) or "
+                        "changing a parameter's grad_dtype"
                     )
 
     def _weight_tensor(self, weight: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1804,8 +1805,26 @@ class GradAccumulator(torch.optim.Optimizer):
         return window
 
 
-# A parameter's device, dtype and, where torch has it, grad_dtype (the dtype autograd gives its gradient).
-_KIND_OF = operator.attrgetter("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "grad_dtype") else ()))
+# What the buffer's layout of a parameter was built from: its device, dtype, where torch has it grad_dtype (the
+# dtype autograd gives its gradient), shape and strides (the memory order its segment and published p.grad keep).
+_KIND_FIELDS = ("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "grad_dtype") else ()), "shape")
+_KIND_ATTRS = operator.attrgetter(*_KIND_FIELDS)
+
+
+def _kind_of(param: torch.Tensor) -> tuple:
+    return (*_KIND_ATTRS(param), param.stride())
+
+
+def _kind_change(param: torch.Tensor, built: tuple) -> str:
+    """What of ``_kind_of`` differs from when the accumulator was built, for an error message."""
+    names = (*_KIND_FIELDS, "strides")
+    now = _kind_of(param)
+    changes = []
+    for name, value, then in zip(names, now, built, strict=True):
+        if value != then:
+            value, then = (tuple(value), tuple(then)) if name in ("shape", "strides") else (value, then)
+            changes.append(f"{name} {value}, built for {then}")
+    return "; ".join(changes)
 
 
 def _called_from_dcp(function: str) -> bool:

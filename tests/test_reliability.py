@@ -494,6 +494,27 @@ def test_a_parameter_whose_dtype_changed_after_building_is_refused_by_name(backe
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("built, later", [("contiguous", "channels_last"), ("channels_last", "contiguous")])
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_parameter_whose_memory_format_changed_after_building_is_refused_by_name(built, later, loop):
+    """model.to(memory_format=...) after the buffers were laid out: the published p.grad would keep the old strides,
+    and a fused optimizer, which walks p.grad's memory as the parameter's, would update the wrong elements. The
+    window's edge refuses it, naming the parameter and both strides, before anything is folded or stepped."""
+    formats = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=formats[built])
+    opt = GradAccumulator(torch.optim.AdamW(conv.parameters(), lr=0.1, fused=True), 2, backend="reference")
+    built_strides = conv.weight.stride()
+    conv.to(memory_format=formats[later])
+    before = [p.detach().clone() for p in conv.parameters()]
+    loss = conv(torch.randn(2, 3, 6, 6)).square().mean()
+    with pytest.raises(RuntimeError) as info:
+        micro_batch(opt, loss, loop)
+    assert "param_groups[0]['params'][0] changed since" in str(info.value)
+    assert f"strides {conv.weight.stride()}, built for {built_strides}" in str(info.value)
+    assert opt.micro_step == 0 and opt._micro is None and opt.state == {}
+    assert all(torch.equal(p, b) for p, b in zip(conv.parameters(), before, strict=True))
+
+
 @pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="this torch has no Tensor.grad_dtype")
 def test_a_grad_dtype_other_than_the_parameters_is_refused(backend):
     """A bf16 parameter whose grad_dtype asks autograd for float32 gradients: the finished gradient, handed over
