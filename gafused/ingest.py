@@ -18,6 +18,11 @@ each further early hand-over doubles the calls it needs, so a bucket whose use k
 a loss term every few micro-batches) soon waits for all its parameters for good, while one change (a single
 micro-batch that used more) costs one early hand-over and a few calls of waiting.
 
+Hooks a user registers on a parameter after the accumulator's run after it, and may read or change ``p.grad``
+in place; torch runs a parameter's hooks one after another, so a bucket whose last gradient belongs to such a
+parameter is handed over when the next gradient of its buffer lands (or folded by the end-of-backward pass),
+after those hooks are done, never under them.
+
 The hooks hold the accumulator weakly and do nothing outside ``GradAccumulator.backward``.
 """
 
@@ -63,6 +68,9 @@ class BucketHooks:
         self._last: list[list[int]] = []  # per bucket: the count of its last call that gave any
         self._patience: list[list[int]] = []  # per bucket: the stable calls a variable bucket needs to relearn
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Per buffer: complete buckets whose last parameter has hooks after this one's, handed over at that buffer's
+        # next hook, once those hooks have run (see the module docstring).
+        self._deferred: list[list[int]] = [[] for _ in buffers]
         # (buffer, bucket, parameter) of parameters that did not require grad when last looked at: hooked by the
         # first start() that finds them trainable (a parameter unfrozen after the accumulator was built).
         self._unhooked: list[tuple[int, int, torch.Tensor]] = []
@@ -89,24 +97,36 @@ class BucketHooks:
 
     def _hook(self, param: torch.Tensor, group_index: int, bucket_index: int) -> None:
         """Count ``param``'s gradient for bucket ``bucket_index`` of buffer ``group_index``."""
-        self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, bucket_index)))
+        handle_id: list[int] = []
+        handle = param.register_post_accumulate_grad_hook(self._make_hook(group_index, bucket_index, handle_id))
+        handle_id.append(handle.id)
+        self._handles.append(handle)
 
-    def _make_hook(self, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, group_index: int, bucket_index: int, handle_id: list[int]) -> Callable[[torch.Tensor], None]:
         owner_ref = self._owner_ref
+        deferred = self._deferred[group_index]
         last_call = -1
 
         def hook(param: torch.Tensor) -> None:
             nonlocal last_call
             if not self.active:
                 return
+            owner = owner_ref()
+            if deferred:  # the hooks after a deferred bucket's last gradient are done now (unless it is this one)
+                ready = [b for b in deferred if b != bucket_index]
+                deferred[:] = [b for b in deferred if b == bucket_index]
+                for ready_index in ready if owner is not None else ():
+                    owner.on_bucket_ready(group_index, ready_index)
             if last_call != self._call:
                 last_call = self._call
                 self._landed[group_index][bucket_index] += 1
             counts = self._remaining[group_index]
             counts[bucket_index] -= 1
-            if counts[bucket_index] == 0:
-                owner = owner_ref()
-                if owner is not None:
+            if counts[bucket_index] == 0 and owner is not None:
+                later = getattr(param, "_post_accumulate_grad_hooks", None)
+                if later and next(reversed(later)) != handle_id[0]:
+                    deferred.append(bucket_index)  # hooks after this one still read p.grad
+                else:
                     owner.on_bucket_ready(group_index, bucket_index)
 
         return hook
@@ -119,6 +139,8 @@ class BucketHooks:
         for remaining, expected, landed in zip(self._remaining, self._expected, self._landed, strict=True):
             remaining[:] = expected
             landed[:] = [0] * len(landed)
+        for deferred in self._deferred:
+            deferred.clear()
         self.active = True
 
     def _hook_unfrozen(self) -> None:
@@ -144,6 +166,8 @@ class BucketHooks:
         if not self.active:
             return
         self.active = False
+        for deferred in self._deferred:  # still holding their gradients: the end-of-backward pass folds them
+            deferred.clear()
         if not learn:
             return
         for buckets in zip(

@@ -82,6 +82,40 @@ def test_buckets_are_folded_and_released_while_backward_runs(backend, monkeypatc
     assert opt.stepped
 
 
+def test_hooks_registered_after_the_accumulator_find_and_change_every_gradient(backend):
+    """A post-accumulate-grad hook registered on every parameter after the accumulator runs after the accumulator's
+    own: it finds each parameter's gradient of the micro-batch, the one that completes a bucket included, and what it
+    changes in place is what is folded. Buckets are still folded while backward runs. Against a float64 truth."""
+    model, truth = _model(), _model()
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend, bucket_bytes=_layer_bytes() - 8
+    )
+    found, later_folded = [], []
+
+    def halve(param):  # e.g. gradient masking or scaling done in a hook
+        found.append(param.grad is not None)
+        if param.grad is not None:
+            param.grad.mul_(0.5)
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(halve)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: later_folded.append(model[6].weight.grad is None))
+    batches = _batches(2)
+    for x in batches:
+        opt.backward(_loss(model, x), weight=float(x.shape[0]))
+        opt.step()
+    assert found == [True] * (2 * len(list(model.parameters())))
+    assert later_folded == [True, True]
+
+    weights = [float(x.shape[0]) for x in batches]
+    grads = [torch.autograd.grad(_loss(truth, x), list(truth.parameters())) for x in batches]
+    with torch.no_grad():
+        for i, param in enumerate(truth.parameters()):
+            mean = sum(w * g[i] for w, g in zip(weights, grads, strict=True)) / sum(weights)
+            param -= 0.1 * 0.5 * mean
+    _assert_same(model, truth)
+
+
 def _freeze_schedule(backend, frozen_at, seed, watch="bias") -> list[bool]:
     """Train with the last layer's weight frozen at the indices ``frozen_at`` says, folding during backward, against
     the step-time loop (asserted exact); returns, per micro-batch, whether the last layer's bucket was folded while
