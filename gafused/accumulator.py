@@ -171,6 +171,7 @@ class GradAccumulator(torch.optim.Optimizer):
             loss itself; with ``loss.backward()`` loops call ``scaler.scale(loss).backward()``. Nothing else of
             the scaler: the accumulator folds 1 / scale into each micro-batch's weight, keeps the scale fixed
             within a window, and updates the scaler once per window, as ``scaler.step`` / ``scaler.update`` would.
+            A scaler serves one live accumulator: another that uses it is refused.
         bucket_bytes: ``backward()`` folds gradients in buckets of about this many bytes of buffer, each as
             soon as backward has produced all its gradients; at most about one bucket of fresh gradients is
             alive beside the buffers.
@@ -1130,7 +1131,10 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _check_param_set(self, identity: bool) -> None:
         """Refuse an inner optimizer whose parameters changed: their number on every call, and (``identity``, at
-        a window's first and last micro-batch, where it costs about 20 ns per parameter) which tensors they are."""
+        a window's first and last micro-batch, where it costs about 20 ns per parameter) which tensors they are.
+        Also refuse a ``grad_scaler`` that another live accumulator uses (``_claim_grad_scaler``)."""
+        if self.grad_scaler is not None:
+            self._claim_grad_scaler()
         groups = self.optimizer.param_groups
         count = sum(len(param_group["params"]) for param_group in groups)
         if count != len(self._managed):
@@ -1160,6 +1164,25 @@ class GradAccumulator(torch.optim.Optimizer):
                         "converting the model (model.to(...), model.double(), model.to(memory_format=...)) or "
                         "changing a parameter's grad_dtype"
                     )
+
+    def _claim_grad_scaler(self) -> None:
+        """One GradScaler per live accumulator. Each accumulator updates its scaler at its own window's end, while
+        another one sharing it may hold gradients scaled by the old scale (a window still open, or a backward its
+        step has not folded yet): they would be unscaled by the new one, silently off by the growth or backoff
+        factor. The first accumulator to use a scaler owns it until that accumulator is garbage-collected."""
+        scaler = self.grad_scaler
+        owner_ref = _SCALER_OWNERS.get(scaler)
+        owner = None if owner_ref is None else owner_ref()
+        if owner is self:
+            return
+        if owner is not None:
+            raise RuntimeError(
+                "grad_scaler is used by another GradAccumulator that is still alive: a shared scaler's scale changes "
+                "at one accumulator's window end while the other holds gradients scaled by the old scale. Give each "
+                "GradAccumulator its own torch.amp.GradScaler (or put the parameters in one optimizer's param "
+                "groups); an accumulator built to replace an old one can use its scaler once the old one is dropped"
+            )
+        _SCALER_OWNERS[scaler] = weakref.ref(self)
 
     def _weight_tensor(self, weight: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight as a float64 0-d tensor on the home device, and a device flag for unchecked tensor values."""
@@ -1825,6 +1848,11 @@ def _kind_change(param: torch.Tensor, built: tuple) -> str:
             value, then = (tuple(value), tuple(then)) if name in ("shape", "strides") else (value, then)
             changes.append(f"{name} {value}, built for {then}")
     return "; ".join(changes)
+
+
+# GradScaler -> the accumulator that uses it (GradAccumulator._claim_grad_scaler); weak both ways, and kept off the
+# scaler itself so that the scaler still pickles.
+_SCALER_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _called_from_dcp(function: str) -> bool:

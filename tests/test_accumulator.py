@@ -1019,6 +1019,37 @@ def test_mid_window_checkpoint_taken_under_a_loss_scale_resumes_exactly(loop, re
     _assert_same_params(model, reference, 1e-12)
 
 
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_grad_scaler_used_by_another_live_accumulator_is_refused(loop):
+    """Two accumulators sharing a scaler: one's window end grows (or backs off) the scale while the other holds
+    gradients scaled by the old scale, which it would unscale with the new one (40% off with windows of 2 and 3).
+    The second user is refused before anything changes; once the first is dropped, the scaler is free."""
+    import gc
+
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    first = GradAccumulator(torch.optim.SGD(list(model[0].parameters()), lr=0.1), 2, grad_scaler=scaler)
+    second = GradAccumulator(torch.optim.SGD(list(model[2].parameters()), lr=0.1), 3, grad_scaler=scaler)
+    x, y = _data([3])[0]
+    micro_batch(first, _loss(model, x, y) if loop == "backward" else scaler.scale(_loss(model, x, y)), loop)
+    grads = {name: p.grad for name, p in model.named_parameters() if name.startswith("2.")}
+    loss = _loss(model, x, y)
+    with pytest.raises(RuntimeError, match="grad_scaler is used by another GradAccumulator that is still alive"):
+        if loop == "backward":
+            second.backward(loss)
+        else:
+            second.step()
+    assert second.micro_step == 0 and second._micro is None
+    assert all(model.get_parameter(name).grad is grad for name, grad in grads.items())
+    assert first.micro_step == 1
+
+    del first
+    gc.collect()
+    second.zero_grad()
+    micro_batch(second, _loss(model, x, y) if loop == "backward" else scaler.scale(_loss(model, x, y)), loop)
+    assert second.micro_step == 1
+
+
 def test_an_equal_cpu_tensor_weight_may_be_repeated_by_a_later_backward():
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
