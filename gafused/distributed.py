@@ -1,7 +1,7 @@
 """Across ranks: GradAccumulator owns gradient synchronization for a DDP or FSDP2 model (``model=``).
 
 The finished gradient of a window is ``sum over ranks and micro-batches of w * g``, divided by the GLOBAL sum
-of weights (docs/design.md section 4b). How the sum over ranks is made depends on the wrapper:
+of weights (docs/design.md section 6). How the sum over ranks is made depends on the wrapper:
 
 - DDP (``DistributedDataParallel``): DDP's own all-reduce is turned off for good (as under ``no_sync()``), so
   the micro-batches of a window send nothing; after each window DDP's next forward broadcasts the module
