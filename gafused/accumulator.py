@@ -1081,9 +1081,12 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _reduced_window_sums(self, count: int) -> torch.Tensor:
         """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, then a had-gradient flag per
-        parameter and a folded-late flag per bucket) over the ranks."""
+        parameter and, where gafused reduces buckets (DDP), a folded-late flag per bucket) over the ranks. Buckets
+        are cut from each rank's own elements, so under FSDP2 (uneven shards) their number differs across ranks:
+        the flags then stop at the parameters, whose number every rank shares."""
         flags = [float(had) for group in self._groups for had in group.had_grad]
-        flags += [float(key in self._late) for key in self._reduce_order]
+        if self._sync.reduces_buckets:
+            flags += [float(key in self._late) for key in self._reduce_order]
         # Pinned and non-blocking on a GPU: a copy from pageable memory would wait for the device (a host sync).
         host = torch.tensor([0.0, 0.0, 0.0, 0.0, *flags], dtype=torch.float64, pin_memory=self._home.type == "cuda")
         local = host.to(self._home, non_blocking=True)
@@ -1481,6 +1484,8 @@ class GradAccumulator(torch.optim.Optimizer):
             count = len(group.params)
             group.had_grad = [ranks > 0 for ranks in values[position : position + count]]
             position += count
+        if not self._sync.reduces_buckets:
+            return []  # nothing is folded late where the wrapper reduces (FSDP2)
         late = values[position:]
         return [key for key, ranks in zip(self._reduce_order, late, strict=True) if ranks > 0]
 

@@ -36,7 +36,8 @@ BUCKET_BYTES = 256  # several buckets on a 6-parameter model
 
 def window_sums_bytes(params: int, buckets: int) -> int:
     """The float64 all-reduce that ends a window: weight sum, bad-weight flag, micro-step count and its square,
-    then one had-gradient flag per parameter and one folded-late flag per bucket."""
+    then one had-gradient flag per parameter and, where gafused reduces buckets (DDP; pass 0 for FSDP2), one
+    folded-late flag per bucket."""
     return 8 * (4 + params + buckets)
 
 
@@ -202,6 +203,7 @@ def run_case(
     sync_off_once: bool = False,
     built_in_no_sync: bool = False,
     through_dcp: bool = False,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
@@ -226,7 +228,7 @@ def run_case(
                 inner,
                 None if driven else N,
                 max_grad_norm=MAX_NORM,
-                bucket_bytes=BUCKET_BYTES,
+                bucket_bytes=bucket_bytes,
                 model=model if pass_model else None,
                 reduce_dtype=reduce_dtype,
                 normalization=normalization,
@@ -363,6 +365,8 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp-backward-sum": {"kind": "ddp", "loop": "backward", "normalization": "sum"},
     "ddp-step-sum": {"kind": "ddp", "loop": "step", "normalization": "sum"},
     "fsdp-backward-sum": {"kind": "fsdp", "loop": "backward", "normalization": "sum"},
+    # The last layer's shards are 2x8 + 2 on rank 0 and 1x8 + 1 on rank 1: 64-byte buckets cut 3 and 2 of them.
+    "fsdp-backward-uneven_buckets": {"kind": "fsdp", "loop": "backward", "bucket_bytes": 64},
 }
 
 
