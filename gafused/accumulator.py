@@ -1840,7 +1840,10 @@ _KIND_ATTRS = operator.attrgetter(*_KIND_FIELDS)
 
 
 def _kind_of(param: torch.Tensor) -> tuple:
-    return (*_KIND_ATTRS(param), param.stride())
+    # A dimension of size 1 has no memory order: its stride may change without moving an element (channels_last on
+    # a 1x1 convolution's weight), so it is recorded as 0.
+    strides = tuple(stride if size != 1 else 0 for size, stride in zip(param.shape, param.stride(), strict=True))
+    return (*_KIND_ATTRS(param), strides)
 
 
 def _kind_change(param: torch.Tensor, built: tuple) -> str:

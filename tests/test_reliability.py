@@ -515,6 +515,24 @@ def test_a_parameter_whose_memory_format_changed_after_building_is_refused_by_na
     assert all(torch.equal(p, b) for p, b in zip(conv.parameters(), before, strict=True))
 
 
+def test_a_stride_change_that_moves_no_element_is_accepted():
+    """channels_last on a 1x1 convolution changes only the strides of its size-1 dimensions: the memory order,
+    the buffer's layout and what a fused optimizer reads stay the same, so training goes on, exactly."""
+    conv = torch.nn.Conv2d(3, 4, 1)
+    reference = copy.deepcopy(conv)
+    opt = GradAccumulator(torch.optim.AdamW(conv.parameters(), lr=0.1, fused=True), 1, backend="reference")
+    conv.to(memory_format=torch.channels_last)
+    assert conv.weight.stride() != reference.weight.stride()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1, fused=True)
+    x = torch.randn(2, 3, 5, 5)
+    micro_batch(opt, conv(x).square().mean(), "backward")
+    reference(x).square().mean().backward()
+    ref_opt.step()
+    assert opt.stepped
+    for p, r in zip(conv.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="this torch has no Tensor.grad_dtype")
 def test_a_grad_dtype_other_than_the_parameters_is_refused(backend):
     """A bf16 parameter whose grad_dtype asks autograd for float32 gradients: the finished gradient, handed over
