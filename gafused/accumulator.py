@@ -276,7 +276,8 @@ class GradAccumulator(torch.optim.Optimizer):
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
         )
-        # Each parameter's (device, dtype, grad_dtype) as the buffers were laid out for: checked at window edges.
+        # Each parameter's device, dtype, grad_dtype, shape and memory order as the buffers were laid out for: checked
+        # at window edges.
         self._kinds = list(map(_kind_of, self._managed))
 
         self.micro_step: int = 0

@@ -115,8 +115,9 @@ class BucketHooks:
             if deferred:  # the hooks after a deferred bucket's last gradient are done now (unless it is this one)
                 ready = [b for b in deferred if b != bucket_index]
                 deferred[:] = [b for b in deferred if b == bucket_index]
-                for ready_index in ready if owner is not None else ():
-                    owner.on_bucket_ready(group_index, ready_index)
+                if owner is not None:
+                    for ready_index in ready:
+                        owner.on_bucket_ready(group_index, ready_index)
             if last_call != self._call:
                 last_call = self._call
                 self._landed[group_index][bucket_index] += 1

@@ -108,7 +108,7 @@ _SQUARES_PIECE = 1 << 22
 
 
 def _per_segment_sum_of_squares(segments: list[torch.Tensor]) -> torch.Tensor:
-    """Each segment's sum of squares, added in float64 piece by piece and rounded once to the segments' dtype.
+    """Each segment's sum of squares, added in float64 piece by piece (float64; the callers round once).
 
     (A float32 sum drifts on long segments, by 4e-4 at 1e8 elements, and ``torch.dot`` past 2**31 elements adds
     one square at a time and stops growing; the oracle must be better than the kernels it checks.)
