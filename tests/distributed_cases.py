@@ -133,8 +133,8 @@ def _counting_allreduce_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP check
     return dist.all_reduce(tensor.div_(WORLD), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _wrap(kind: str, rank: int, bucket_view: bool = False) -> torch.nn.Module:
-    model = make_model()
+def _wrap(kind: str, rank: int, bucket_view: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    model = make_model(dtype)
     if kind == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
         ddp.register_comm_hook(None, _counting_allreduce_hook)
@@ -204,6 +204,8 @@ def run_case(
     built_in_no_sync: bool = False,
     through_dcp: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
+    dtype: torch.dtype = torch.float32,
+    weight_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
@@ -221,7 +223,7 @@ def run_case(
     import gafused
 
     def build(state: dict[str, Any] | None = None) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
-        model = _wrap(kind, rank, bucket_view)
+        model = _wrap(kind, rank, bucket_view, dtype)
         inner = torch.optim.SGD(model.parameters(), lr=LR)
         with model.no_sync() if built_in_no_sync else contextlib.nullcontext():
             opt = gafused.GradAccumulator(
@@ -254,8 +256,8 @@ def run_case(
                 last = micro == count - 1  # the last of a partial window too: FSDP must sync it
                 if last and (count == N or driven):
                     wire_before_last.append(wire.calls)
-                x, y = micro_batch(rank, window, micro, weighted)
-                weight = x.shape[0] if weighted and normalization == "mean" else None
+                x, y = micro_batch(rank, window, micro, weighted, dtype)
+                weight = x.shape[0] * weight_scale if weighted and normalization == "mean" else None
                 end = {"end_window": True} if last and driven else {}
                 quiet = (
                     (model.no_sync() if kind == "ddp" else _fsdp_no_sync(model))
@@ -365,6 +367,10 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp-backward-sum": {"kind": "ddp", "loop": "backward", "normalization": "sum"},
     "ddp-step-sum": {"kind": "ddp", "loop": "step", "normalization": "sum"},
     "fsdp-backward-sum": {"kind": "fsdp", "loop": "backward", "normalization": "sum"},
+    # A float64 model with weights inexact in float32 (tokens / 10, the same weighted mean): float64 throughout,
+    # across ranks too.
+    "ddp-backward-f64": {"kind": "ddp", "loop": "backward", "dtype": torch.float64, "weight_scale": 0.1},
+    "fsdp-backward-f64": {"kind": "fsdp", "loop": "backward", "dtype": torch.float64, "weight_scale": 0.1},
     # The last layer's shards are 2x8 + 2 on rank 0 and 1x8 + 1 on rank 1: 64-byte buckets cut 3 and 2 of them.
     "fsdp-backward-uneven_buckets": {"kind": "fsdp", "loop": "backward", "bucket_bytes": 64},
 }

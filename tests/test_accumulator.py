@@ -214,14 +214,17 @@ def _assert_unchanged(model, optimizer, snapshot):
     assert str(optimizer.state_dict()) == str(state)
 
 
+@pytest.mark.parametrize("bucket_bytes", [32 * 2**20, 64], ids=["one_bucket", "several_buckets"])
 @pytest.mark.parametrize("position", [0, 1, 2], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
-def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, value, loop):
+def test_nonfinite_window_is_skipped_and_training_goes_on(backend, position, value, loop, bucket_bytes):
+    """With several buckets the backward loop measures each bucket on its own: any bucket's flag skips the window."""
     model = _model()
     reference = copy.deepcopy(model)
     inner = _make_optimizer("adamw", model.parameters())
     reference_opt = _make_optimizer("adamw", reference.parameters())
-    opt = GradAccumulator(inner, accumulation_steps=3, max_grad_norm=1.0, backend=backend)
+    opt = GradAccumulator(inner, accumulation_steps=3, max_grad_norm=1.0, backend=backend, bucket_bytes=bucket_bytes)
+    assert len(opt.buffers[0].bucket_ranges) > 1 or bucket_bytes > 64
     warm = _data([2, 2, 2], seed=60)
     for x, y in warm:  # a normal window first, so there is optimizer state to protect
         micro_batch(opt, _loss(model, x, y), loop)
@@ -350,12 +353,16 @@ def test_unused_parameters_keep_no_grad_and_are_not_decayed(backend, loop):
     torch.testing.assert_close(partial.detach(), reference_partial.detach(), rtol=1e-12, atol=0)
 
 
-def test_mixed_dtypes_get_one_buffer_each_and_grads_in_their_dtype(backend):
+@pytest.mark.parametrize("max_grad_norm", [None, 0.1], ids=["unclipped", "clipped"])
+def test_mixed_dtypes_get_one_buffer_each_and_grads_in_their_dtype(backend, max_grad_norm):
+    """One buffer per parameter dtype, one global norm over both, each finished gradient cast to its dtype."""
     torch.manual_seed(80)
     low = torch.nn.Linear(6, 5).to(torch.bfloat16)
     high = torch.nn.Linear(5, 2)
     params = [*low.parameters(), *high.parameters()]
-    opt = GradAccumulator(torch.optim.SGD(params, lr=0.0), accumulation_steps=2, backend=backend)
+    opt = GradAccumulator(
+        torch.optim.SGD(params, lr=0.0), accumulation_steps=2, max_grad_norm=max_grad_norm, backend=backend
+    )
     assert sorted(str(b.params[0].dtype) for b in opt.buffers) == ["torch.bfloat16", "torch.float32"]
     assert all(b.accum_dtype == torch.float32 for b in opt.buffers)
     expected = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
@@ -363,12 +370,21 @@ def test_mixed_dtypes_get_one_buffer_each_and_grads_in_their_dtype(backend):
         generator = torch.Generator().manual_seed(seed)
         for p, e in zip(params, expected, strict=True):
             p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
-            e += p.grad.double() / 2
+            e += p.grad.double() / 2  # exact, as is the float32 buffer's g1 + g2 then * 1/2
         opt.step()
+    norm = torch.cat([e.reshape(-1) for e in expected]).norm()
+    torch.testing.assert_close(opt.grad_norm.double(), norm, rtol=1e-6, atol=0)
+    coef = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(norm) + 1e-6))
+    assert coef < 1.0 or max_grad_norm is None  # the clipped case clips
     for p, e in zip(params, expected, strict=True):
         assert p.grad.dtype == p.dtype
-        tolerance = 1e-2 if p.dtype == torch.bfloat16 else 1e-6
-        torch.testing.assert_close(p.grad.double(), e, rtol=tolerance, atol=tolerance)
+        if max_grad_norm is None:
+            assert torch.equal(p.grad, e.to(p.dtype))  # one rounding, in the cast
+        else:
+            # The coefficient from a float32 norm and division, the float32 product, then the cast: a few float32
+            # roundings, or the bf16 cast's one.
+            rtol = max(torch.finfo(p.dtype).eps, 4 * torch.finfo(torch.float32).eps)
+            torch.testing.assert_close(p.grad.double(), e * coef, rtol=rtol, atol=0)
 
 
 def test_float64_parameters_accumulate_in_float64():

@@ -263,6 +263,38 @@ def test_matches_the_step_time_loop_with_small_buckets(backend, steps):
     _assert_same(model, reference)
 
 
+def test_a_bucket_no_gradient_reaches_in_a_windows_first_micro_batch_starts_from_zero(backend):
+    """A parameter used in the first window but not in the second window's first micro-batch: its bucket is
+    untouched by that backward, and step() must zero it (the window's first write), not add the next micro-batch
+    onto the last window's values. One bucket per parameter; against a float64 truth."""
+    model, truth = _model(), _model()
+    extra = torch.nn.Parameter(torch.randn(WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(9)))
+    truth_extra = extra.detach().clone()
+    opt = GradAccumulator(torch.optim.SGD([*model.parameters(), extra], lr=0.1), 2, backend=backend, bucket_bytes=1)
+    batches = _batches(4)
+    uses_extra = [True, True, False, True]  # the second window's first micro-batch leaves it out
+
+    def loss_of(net, spare, x, used):
+        return _loss(net, x) + ((spare * x.sum(0)).sum() ** 2 if used else 0.0)
+
+    for x, used in zip(batches, uses_extra, strict=True):
+        opt.backward(loss_of(model, extra, x, used), weight=float(x.shape[0]))
+        opt.step()
+        opt.zero_grad()
+    assert opt.stepped
+    params = [*truth.parameters(), truth_extra.requires_grad_()]
+    for window in (0, 1):
+        pairs = list(zip(batches, uses_extra, strict=True))[2 * window : 2 * window + 2]
+        weights = [float(x.shape[0]) for x, _ in pairs]
+        loss = sum(w * loss_of(truth, truth_extra, x, used) for w, (x, used) in zip(weights, pairs, strict=True))
+        grads = torch.autograd.grad(loss / sum(weights), params)
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param -= 0.1 * grad
+    _assert_same(model, truth)
+    torch.testing.assert_close(extra.detach(), truth_extra.detach(), rtol=1e-12, atol=1e-12)
+
+
 def test_unused_parameter_leaves_its_bucket_incomplete_and_is_still_exact(backend):
     model = _model()
     spare = torch.nn.Parameter(torch.randn(WIDTH, dtype=torch.float64))

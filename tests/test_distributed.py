@@ -88,6 +88,18 @@ def test_matches_float64_big_batch(ranks: list[dict], truths: dict[bool, tuple],
     assert all(norm > cases.MAX_NORM for norm in truth_norms)
 
 
+@pytest.mark.parametrize("name", ["ddp-backward-f64", "fsdp-backward-f64"])
+def test_a_float64_model_is_float64_across_ranks(ranks: list[dict], truths: dict[bool, tuple], name: str) -> None:
+    """Weights inexact in float32, a float64 model: weight sums, buffers and norms stay float64 over the wire, so
+    the result is the float64 truth's to float64 rounding (a float32 weight sum would be 1e-8 off)."""
+    truth_params, truth_norms, initial = truths[True]
+    for rank in range(cases.WORLD):
+        result = _result(ranks, name, rank)
+        assert _error(result["params"], truth_params, initial) < 1e-12
+        for norm, truth_norm in zip(result["norms"], truth_norms, strict=True):
+            assert norm == pytest.approx(truth_norm, rel=1e-13)
+
+
 @pytest.mark.parametrize("name", WITHOUT_MODEL)
 def test_the_data_expose_a_missing_model(ranks: list[dict], truths: dict[bool, tuple], name: str) -> None:
     """Without model= (DDP averaging per micro-batch, or no_sync folding unreduced gradients, and per-rank weight
