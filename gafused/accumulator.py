@@ -276,9 +276,10 @@ class GradAccumulator(torch.optim.Optimizer):
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
         )
-        # Each parameter's device, dtype, grad_dtype, shape and memory order as the buffers were laid out for: checked
-        # at window edges.
-        self._kinds = list(map(_kind_of, self._managed))
+        # Each parameter's device, dtype, grad_dtype, shape and strides as the buffers were laid out for: checked at
+        # window edges (strides may change where no element moves, see _same_memory_order).
+        self._kinds = list(map(_KIND_OF, self._managed))
+        self._strides = list(map(torch.Tensor.stride, self._managed))
 
         self.micro_step: int = 0
         self.stepped: bool = False
@@ -1135,8 +1136,9 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _check_param_set(self, identity: bool) -> None:
         """Refuse an inner optimizer whose parameters changed: their number on every call, and (``identity``, at
-        a window's first and last micro-batch, where it costs about 20 ns per parameter) which tensors they are.
-        Also refuse a ``grad_scaler`` that another live accumulator uses (``_claim_grad_scaler``)."""
+        a window's first and last micro-batch, where it costs about a microsecond per parameter) which tensors they
+        are and whether their layout changed. Also refuse a ``grad_scaler`` that another live accumulator uses
+        (``_claim_grad_scaler``)."""
         if self.grad_scaler is not None:
             self._claim_grad_scaler()
         groups = self.optimizer.param_groups
@@ -1149,25 +1151,39 @@ class GradAccumulator(torch.optim.Optimizer):
         if not identity:
             return
         current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
-        if all(map(operator.is_, current, self._managed)) and list(map(_kind_of, self._managed)) == self._kinds:
+        if (
+            all(map(operator.is_, current, self._managed))
+            and list(map(_KIND_OF, self._managed)) == self._kinds
+            and list(map(torch.Tensor.stride, self._managed)) == self._strides
+        ):
             return
-        built_with = zip(self._managed, self._kinds, strict=True)
+        index = 0
         for g, param_group in enumerate(groups):
             for i, param in enumerate(param_group["params"]):
-                managed, kind = next(built_with)
+                managed, kind, strides = self._managed[index], self._kinds[index], self._strides[index]
                 if param is not managed:
                     raise RuntimeError(
                         f"the inner optimizer's param_groups[{g}]['params'][{i}] is not the parameter "
                         "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
                         "optimizer's parameters"
                     )
-                if _kind_of(param) != kind:
+                changes = [
+                    f"{name} {now}, built for {then}"
+                    for name, now, then in zip(_KIND_FIELDS, _KIND_OF(param), kind, strict=True)
+                    if now != then
+                ]
+                if not changes and param.stride() != strides:
+                    if not _same_memory_order(param.shape, param.stride(), strides):
+                        changes.append(f"strides {param.stride()}, built for {strides}")
+                    self._strides[index] = param.stride()  # no element moved: accepted from now on
+                if changes:
                     raise RuntimeError(
                         f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: "
-                        f"{_kind_change(param, kind)}. Build a new GradAccumulator after moving, casting or "
-                        "converting the model (model.to(...), model.double(), model.to(memory_format=...)) or "
-                        "changing a parameter's grad_dtype"
+                        f"{'; '.join(changes)}. Build a new GradAccumulator after moving, casting or converting the "
+                        "model (model.to(...), model.double(), model.to(memory_format=...)) or changing a "
+                        "parameter's grad_dtype"
                     )
+                index += 1
 
     def _claim_grad_scaler(self) -> None:
         """One GradScaler per live accumulator. Each accumulator updates its scaler at its own window's end, while
@@ -1834,29 +1850,16 @@ class GradAccumulator(torch.optim.Optimizer):
         return window
 
 
-# What the buffer's layout of a parameter was built from: its device, dtype, where torch has it grad_dtype (the
-# dtype autograd gives its gradient), shape and strides (the memory order its segment and published p.grad keep).
+# What the buffer's layout of a parameter was built from, with its strides: its device, dtype, where torch has it
+# grad_dtype (the dtype autograd gives its gradient), and shape.
 _KIND_FIELDS = ("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "grad_dtype") else ()), "shape")
-_KIND_ATTRS = operator.attrgetter(*_KIND_FIELDS)
+_KIND_OF = operator.attrgetter(*_KIND_FIELDS)
 
 
-def _kind_of(param: torch.Tensor) -> tuple:
-    # A dimension of size 1 has no memory order: its stride may change without moving an element (channels_last on
-    # a 1x1 convolution's weight), so it is recorded as 0.
-    strides = tuple(stride if size != 1 else 0 for size, stride in zip(param.shape, param.stride(), strict=True))
-    return (*_KIND_ATTRS(param), strides)
-
-
-def _kind_change(param: torch.Tensor, built: tuple) -> str:
-    """What of ``_kind_of`` differs from when the accumulator was built, for an error message."""
-    names = (*_KIND_FIELDS, "strides")
-    now = _kind_of(param)
-    changes = []
-    for name, value, then in zip(names, now, built, strict=True):
-        if value != then:
-            value, then = (tuple(value), tuple(then)) if name in ("shape", "strides") else (value, then)
-            changes.append(f"{name} {value}, built for {then}")
-    return "; ".join(changes)
+def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple[int, ...]) -> bool:
+    """Whether two stride tuples of one shape place every element alike: they may differ only on dimensions of size 1
+    (channels_last on a 1x1 convolution's weight), which no element moves along."""
+    return all(size == 1 or a == b for size, a, b in zip(shape, strides, built, strict=True))
 
 
 # GradScaler -> the accumulator that uses it (GradAccumulator._claim_grad_scaler); weak both ways, and kept off the

@@ -9,8 +9,8 @@ Agreement with the reference (``gafused/reference.py``):
 - ``fold_``, ``scale_``: bitwise. On CPU a middle fold is ``add_(grad, alpha=weight)`` per segment, as the
   reference's CPU path; elsewhere the weight stays on the device and the rounding is ``acc + (grad * weight)``
   with the product in the buffer's dtype, as the reference's device path.
-- sums of squares: the per-segment 2-norms are computed in float64 and squared there, so the result is within
-  a few float32 ulps of the reference's float32 dot products (float64 buffers: within a few float64 ulps).
+- sums of squares: the per-segment 2-norms are computed in float64 and squared there, as the reference adds its
+  squares in float64: the results are within a few ulps of the buffer's dtype of each other.
   They are deterministic: the same inputs give the same bits.
 
 Segment views are made once per buffer and kept (a view per segment costs more host time than the add it
