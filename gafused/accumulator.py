@@ -1157,33 +1157,33 @@ class GradAccumulator(torch.optim.Optimizer):
             and list(map(torch.Tensor.stride, self._managed)) == self._strides
         ):
             return
-        index = 0
-        for g, param_group in enumerate(groups):
-            for i, param in enumerate(param_group["params"]):
-                managed, kind, strides = self._managed[index], self._kinds[index], self._strides[index]
-                if param is not managed:
-                    raise RuntimeError(
-                        f"the inner optimizer's param_groups[{g}]['params'][{i}] is not the parameter "
-                        "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
-                        "optimizer's parameters"
-                    )
-                changes = [
-                    f"{name} {now}, built for {then}"
-                    for name, now, then in zip(_KIND_FIELDS, _KIND_OF(param), kind, strict=True)
-                    if now != then
-                ]
-                if not changes and param.stride() != strides:
-                    if not _same_memory_order(param.shape, param.stride(), strides):
-                        changes.append(f"strides {param.stride()}, built for {strides}")
-                    self._strides[index] = param.stride()  # no element moved: accepted from now on
-                if changes:
-                    raise RuntimeError(
-                        f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: "
-                        f"{'; '.join(changes)}. Build a new GradAccumulator after moving, casting or converting the "
-                        "model (model.to(...), model.double(), model.to(memory_format=...)) or changing a "
-                        "parameter's grad_dtype"
-                    )
-                index += 1
+        positions = [
+            (g, i, param) for g, param_group in enumerate(groups) for i, param in enumerate(param_group["params"])
+        ]
+        for index, (g, i, param) in enumerate(positions):
+            managed, kind, strides = self._managed[index], self._kinds[index], self._strides[index]
+            if param is not managed:
+                raise RuntimeError(
+                    f"the inner optimizer's param_groups[{g}]['params'][{i}] is not the parameter "
+                    "GradAccumulator was built with; build a new GradAccumulator after changing the inner "
+                    "optimizer's parameters"
+                )
+            changes = [
+                f"{name} {now}, built for {then}"
+                for name, now, then in zip(_KIND_FIELDS, _KIND_OF(param), kind, strict=True)
+                if now != then
+            ]
+            if not changes and param.stride() != strides:
+                if not _same_memory_order(param.shape, param.stride(), strides):
+                    changes.append(f"strides {param.stride()}, built for {strides}")
+                self._strides[index] = param.stride()  # no element moved: accepted from now on
+            if changes:
+                raise RuntimeError(
+                    f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: "
+                    f"{'; '.join(changes)}. Build a new GradAccumulator after moving, casting or converting the "
+                    "model (model.to(...), model.double(), model.to(memory_format=...)) or changing a "
+                    "parameter's grad_dtype"
+                )
 
     def _claim_grad_scaler(self) -> None:
         """One GradScaler per live accumulator. Each accumulator updates its scaler at its own window's end, while

@@ -97,12 +97,9 @@ class BucketHooks:
 
     def _hook(self, param: torch.Tensor, group_index: int, bucket_index: int) -> None:
         """Count ``param``'s gradient for bucket ``bucket_index`` of buffer ``group_index``."""
-        handle_id: list[int] = []
-        handle = param.register_post_accumulate_grad_hook(self._make_hook(group_index, bucket_index, handle_id))
-        handle_id.append(handle.id)
-        self._handles.append(handle)
+        self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, bucket_index)))
 
-    def _make_hook(self, group_index: int, bucket_index: int, handle_id: list[int]) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
         owner_ref = self._owner_ref
         deferred = self._deferred[group_index]
         last_call = -1
@@ -124,8 +121,8 @@ class BucketHooks:
             counts = self._remaining[group_index]
             counts[bucket_index] -= 1
             if counts[bucket_index] == 0 and owner is not None:
-                later = getattr(param, "_post_accumulate_grad_hooks", None)
-                if later and next(reversed(later)) != handle_id[0]:
+                hooks = getattr(param, "_post_accumulate_grad_hooks", None)  # {handle id: hook}, in running order
+                if hooks and next(reversed(hooks.values())) is not hook:
                     deferred.append(bucket_index)  # hooks after this one still read p.grad
                 else:
                     owner.on_bucket_ready(group_index, bucket_index)
