@@ -1174,9 +1174,10 @@ class GradAccumulator(torch.optim.Optimizer):
                 if now != then
             ]
             if not changes and param.stride() != strides:
-                if not _same_memory_order(param.shape, param.stride(), strides):
+                if _same_memory_order(param.shape, param.stride(), strides):
+                    self._strides[index] = param.stride()  # no element moved: accepted from now on
+                else:
                     changes.append(f"strides {param.stride()}, built for {strides}")
-                self._strides[index] = param.stride()  # no element moved: accepted from now on
             if changes:
                 raise RuntimeError(
                     f"param_groups[{g}]['params'][{i}] changed since GradAccumulator was built: "
