@@ -70,6 +70,11 @@ def _cuda_build() -> tuple[list, dict]:
                 f"GAFUSED_FORCE_CUDA=1 needs a CUDA build of torch and nvcc; found torch {torch.__version__} "
                 f"(CUDA {torch.version.cuda}) and CUDA_HOME={CUDA_HOME}"
             )
+        if torch.version.cuda is not None and torch.cuda.is_available():  # a GPU, and torch's CUDA from pip only
+            print(
+                "gafused: not building the CUDA extension: no CUDA toolkit found (no nvcc on PATH, CUDA_HOME unset)",
+                file=sys.stderr,
+            )
         return [], {}
     forced = _flag("GAFUSED_FORCE_CUDA")
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc.exe" if os.name == "nt" else "nvcc")
@@ -80,6 +85,11 @@ def _cuda_build() -> tuple[list, dict]:
         return [], {}
     gpu_visible = torch.cuda.is_available()
     if not gpu_visible and not forced:
+        print(
+            "gafused: not building the CUDA extension: no GPU visible (GAFUSED_FORCE_CUDA=1 builds it for sm_80 and "
+            "sm_90 anyway)",
+            file=sys.stderr,
+        )
         return [], {}
 
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
@@ -116,9 +126,18 @@ def _cuda_build() -> tuple[list, dict]:
             self.force = True
 
         def run(self) -> None:
+            # Where an earlier build's library may be: the build directory, and the package directory that an
+            # editable install builds into. Asked now: setuptools sets self.inplace to False while it builds and
+            # leaves it so when the build raises.
+            inplace = self.inplace
+            earlier = set()
+            for self.inplace in (False, True):
+                earlier.update(self.get_ext_fullpath(ext.name) for ext in self.extensions)
+            self.inplace = inplace
             try:
                 super().run()
             except Exception as error:
+                self.inplace = inplace
                 if forced:
                     raise
                 print(
@@ -127,8 +146,7 @@ def _cuda_build() -> tuple[list, dict]:
                     "an error.",
                     file=sys.stderr,
                 )
-                for ext in self.extensions:  # an earlier build's library would be imported (or packaged) instead
-                    stale = self.get_ext_fullpath(ext.name)
+                for stale in earlier:  # an earlier build's library would be imported (or packaged) instead
                     if os.path.exists(stale):
                         os.remove(stale)
                 self.extensions = []
