@@ -329,6 +329,22 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._overlapping.add(other)
         _LIVE_ACCUMULATORS.add(self)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Lightning's ``LightningOptimizer`` (what ``self.optimizers()`` returns) makes its class a subclass of
+        the wrapped optimizer's and forwards reads of attributes it lacks to it; a method of the accumulator found
+        on the wrapper's class would run on the wrapper and keep the window's state there, where the accumulator
+        never sees it. On such a class every attribute the accumulator's classes define, and the wrapper's class
+        does not, is the accumulator's: ``self.optimizers().backward(...)`` runs ``backward`` of the accumulator."""
+        super().__init_subclass__(**kwargs)
+        wrapper = next((base for base in cls.__mro__ if base.__name__ == "LightningOptimizer"), None)
+        if wrapper is None:
+            return
+        for base in cls.__mro__:
+            if issubclass(base, GradAccumulator):
+                for name in vars(base):
+                    if not name.startswith("__") and name not in vars(wrapper) and name not in vars(cls):
+                        setattr(cls, name, _OnTheWrapped(name))
+
     def __del__(self) -> None:
         # What this object built, read from its own attributes: a wrapper whose class subclasses this one and
         # forwards attribute reads to an accumulator (Lightning's LightningOptimizer) must not tear that one down.
@@ -1882,6 +1898,25 @@ def _called_from_dcp(function: str) -> bool:
 
 
 _DCP_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+class _OnTheWrapped:
+    """An attribute of a forwarding wrapper's class (GradAccumulator.__init_subclass__) that reads, writes and calls
+    the wrapped accumulator's (``wrapper._optimizer``)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+        if wrapper is None:
+            return self
+        return getattr(wrapper._optimizer, self._name)
+
+    def __set__(self, wrapper: Any, value: Any) -> None:
+        setattr(wrapper._optimizer, self._name, value)
+
+    def __delete__(self, wrapper: Any) -> None:
+        delattr(wrapper._optimizer, self._name)
 
 
 @dataclass

@@ -295,6 +295,72 @@ def test_manual_optimization_is_refused() -> None:
     _fit_refused(Manual(0), RuntimeError, "automatic optimization", accumulate_grad_batches=1)
 
 
+@pytest.mark.parametrize("through", ["self.optimizers()", "trainer.optimizers[0]"])
+def test_manual_optimization_through_lightnings_optimizer_wrapper(through: str) -> None:
+    """The refusal above sends manual optimization to the accumulator's own loop; ``self.optimizers()`` returns
+    Lightning's wrapper, whose class subclasses the accumulator's: its backward, flush and properties must act on the
+    accumulator (they once ran on the wrapper: every window empty, nothing stepped, nothing raised)."""
+    torch.manual_seed(0)
+    data = [(torch.randn(count, 4), torch.randn(count, 3)) for count in (2, 5, 1, 4, 3, 6, 2)]
+    steps, windows = 3, 3  # windows of 3, 3 and a partial 1, ended by flush() at the epoch's end
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.net = torch.nn.Linear(4, 3)
+            self.automatic_optimization = False
+            self.norms: list[float] = []
+
+        def optimizer(self) -> gafused.GradAccumulator:
+            return self.optimizers() if through == "self.optimizers()" else self.trainer.optimizers[0]
+
+        def configure_optimizers(self) -> gafused.GradAccumulator:
+            return gafused.GradAccumulator(torch.optim.SGD(self.net.parameters(), lr=0.1), steps)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(data, batch_size=None)
+
+        def training_step(self, batch: Any, index: int) -> None:
+            opt = self.optimizer()
+            opt.max_grad_norm = 0.5  # a property set through the wrapper
+            x, y = batch
+            opt.backward(torch.nn.functional.mse_loss(self.net(x), y), weight=len(x))
+            opt.step()
+            opt.zero_grad()
+            if opt.stepped:
+                self.norms.append(opt.grad_norm.item())
+
+        def on_train_epoch_end(self) -> None:
+            if self.optimizer().flush():
+                self.norms.append(self.optimizer().grad_norm.item())
+
+    module = Manual()
+    trainer = _quiet_trainer(accumulate_grad_batches=1, limit_train_batches=len(data))
+    trainer.fit(module)
+    accumulator = trainer.optimizers[0]
+    assert (accumulator.micro_step, accumulator.max_grad_norm) == (0, 0.5)
+    assert len(module.norms) == windows
+
+    # The same windows by hand in float64: the token-weighted mean gradient, clipped at 0.5, an SGD step.
+    torch.manual_seed(1)
+    net = torch.nn.Linear(4, 3).double()
+    norms = []
+    for start in range(0, len(data), steps):
+        window = data[start : start + steps]
+        total = sum(len(x) for x, _ in window)
+        net.zero_grad()
+        for x, y in window:
+            (torch.nn.functional.mse_loss(net(x.double()), y.double()) * len(x) / total).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5).item())
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.1 * p.grad
+    assert module.norms == pytest.approx(norms, rel=1e-5)
+    for got, want in zip(module.net.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("hook", ["backward", "configure_gradient_clipping"])
 def test_overridden_backward_or_clipping_hook_is_refused(hook: str) -> None:
     _, TinyLM, _ = cases._lightning_classes()

@@ -423,8 +423,10 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         )
     if not pl_module.automatic_optimization:
         raise RuntimeError(
-            "GradAccumulation works with automatic optimization; with manual optimization use "
-            "gafused.GradAccumulator directly (opt.backward(loss, weight=w, end_window=...); opt.step())"
+            "GradAccumulation works with automatic optimization; with manual optimization return "
+            "gafused.GradAccumulator from configure_optimizers and drive it from training_step (opt = "
+            "self.optimizers(); opt.backward(loss, weight=w); opt.step(); opt.zero_grad()) with Trainer("
+            "accumulate_grad_batches=1)"
         )
     clip = trainer.gradient_clip_val
     if clip is not None and clip > 0:
