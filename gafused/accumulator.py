@@ -52,7 +52,8 @@ __all__ = ["GradAccumulator"]
 _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # Version 2 is unchanged by driven windows and normalization: their fields are optional ("accumulation_steps" may be
 # None; "normalization" is absent from older checkpoints, which were all "mean").
-_STATE_VERSION = 2
+# 3: segments in each parameter's row-major order, with the shapes; 2: in the buffer's memory order; 1: as 3, no shapes.
+_STATE_VERSION = 3
 _NORMALIZATIONS = ("mean", "sum")
 # float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
 # which overflows float16's range (65504) long before float32's.
@@ -636,11 +637,8 @@ class GradAccumulator(torch.optim.Optimizer):
                         f"gafused: {changed} gradient(s) held from an earlier loss.backward() were added to in place "
                         "by the failed call and were dropped",
                     )
-                if opened:  # what _open_micro_batch set up goes with it
-                    self._micro = None
-                    self._reducing = False
-                    for group in self._groups:
-                        group.fold_weight = group.scale = None
+                if opened:
+                    self._close_micro_batch()
                 else:
                     micro.ends_window = ended_before
             raise
@@ -780,16 +778,23 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._check_window_end()
             else:
                 self._check_ready_to_reduce(micro, grads)
-        if micro is not None:
-            self._fold_held_buckets(grads)
-            del grads
-            self._weight_sum = micro.weight_sum
-            self._record_bad_weight(micro.bad_weight)
-            results = [result for group in self._groups for result in self._finish_untouched_buckets(group, micro.last)]
-            self._micro = None
-        else:
-            results = self._fold_all(grads, w, bad, last)
-            del grads  # the last micro-batch's gradients must not outlive the fold (memory)
+        try:
+            if micro is not None:
+                self._fold_held_buckets(grads)
+                del grads
+                self._weight_sum = micro.weight_sum
+                self._record_bad_weight(micro.bad_weight)
+                results = [r for group in self._groups for r in self._finish_untouched_buckets(group, micro.last)]
+                self._micro = None
+            else:
+                results = self._fold_all(grads, w, bad, last)
+                del grads  # the last micro-batch's gradients must not outlive the fold (memory)
+        except BaseException as error:
+            # Every check came before: this is a fold that failed or was interrupted (an interrupt lands as an op
+            # returns), after some buffers may have changed. Retrying would fold them twice.
+            self._discard_window()
+            _add_note(error, "gafused: step() failed while folding; the open accumulation window was discarded")
+            raise
         self.micro_step += 1
         self.stepped = False
         if last:
@@ -886,16 +891,48 @@ class GradAccumulator(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Release every managed ``p.grad`` (the accumulator owns them; gradients are always set to None).
 
-        Gradients a ``step()`` has not folded yet are dropped; what is folded stays in the window.
+        Gradients a ``step()`` has not folded yet are dropped; what is folded stays in the window. Between
+        ``backward()`` and ``step()`` it drops that micro-batch, as ``zero_grad()`` drops a batch in a plain loop,
+        when the micro-batch is the window's first (the window is discarded) or its backward folded nothing; a later
+        micro-batch is already folded into the window's sum and is refused (RuntimeError): leave a batch out with
+        ``weight=0``.
 
         Args:
             set_to_none: accepted for drop-in compatibility; gradients are released either way, since a
                 zero-filled ``p.grad`` would only be folded as zeros.
         """
+        micro = self._micro
+        # torch.distributed.checkpoint releases the zeros it stepped the inner optimizer with: not the user's call.
+        if micro is not None and not _called_from_dcp("_init_optim_state"):
+            if micro.folded and (self.micro_step > 0 or self._reducing):
+                where = (
+                    f"micro-batch {self.micro_step + 1} of the window"
+                    if self.micro_step > 0
+                    else "a window's last micro-batch, whose buckets are being reduced across ranks"
+                )
+                raise RuntimeError(
+                    f"zero_grad(): backward() already folded this micro-batch ({where}) into the window's sum, where "
+                    "it cannot be told apart from the rest; nothing changed. To leave a batch out, pass weight=0 to "
+                    "its backward(), or end it with step()"
+                )
+            if micro.folded:
+                self._discard_window()  # the window is this micro-batch alone
+                return
+            self._close_micro_batch()
+        self._release_grads()
+
+    def _release_grads(self) -> None:
         self._release_published()
         for group in self._groups:
             for param in group.params:
                 param.grad = None
+
+    def _close_micro_batch(self) -> None:
+        """Forget an open micro-batch that folded nothing: what _open_micro_batch set up goes with it."""
+        self._micro = None
+        self._reducing = False
+        for group in self._groups:
+            group.fold_weight = group.scale = None
 
     # --- folding ----------------------------------------------------------------------------------------
 
@@ -954,6 +991,10 @@ class GradAccumulator(torch.optim.Optimizer):
         bucket = group.buffer.buckets[bucket_index]
         touched = group.bucket_touched[bucket_index]
         first = self.micro_step == 0 and not touched
+        if self._micro is not None:
+            # Set before the op: one that raises after it started (an interrupt lands as it returns) may have
+            # changed the bucket, and the window is then discarded rather than kept with part of this call in it.
+            self._micro.folded_in_call = True
         if group.scale is None:
             ops.fold_(bucket, grads, group.fold_weight, first=first, backend=group.backend, check=False)
         elif not touched:
@@ -966,8 +1007,6 @@ class GradAccumulator(torch.optim.Optimizer):
                 bucket, grads, group.fold_weight * group.scale, one, first=False, backend=group.backend, check=False
             )
         group.bucket_touched[bucket_index] = True
-        if self._micro is not None:
-            self._micro.folded_in_call = True
         if self._reducing:
             self._bucket_folded(self._groups.index(group), bucket_index)
         self._release_folded(group, group.buffer.bucket_ranges[bucket_index], grads)
@@ -1000,6 +1039,8 @@ class GradAccumulator(torch.optim.Optimizer):
         part = self._late.get((group_index, bucket_index))
         if part is None:
             part = self._late[(group_index, bucket_index)] = _zeros_like_layout(bucket)
+        if self._micro is not None:
+            self._micro.folded_in_call = True  # the late part is the window's too
         ops.fold_(part, grads, group.fold_weight, first=False, backend=group.backend, check=False)
         self._release_folded(group, group.buffer.bucket_ranges[bucket_index], grads)
 
@@ -1579,7 +1620,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _discard_window(self) -> None:
         self._drop_reductions()
-        self.zero_grad()
+        self._release_grads()
         self._micro = None
         for group in self._groups:
             group.fold_weight = group.scale = None
@@ -1640,10 +1681,15 @@ class GradAccumulator(torch.optim.Optimizer):
             "buffers": [],
         }
         for group in self._groups:
-            entry: dict[str, Any] = {"numels": list(group.buffer.numels), "had_grad": list(group.had_grad)}
+            entry: dict[str, Any] = {
+                "numels": list(group.buffer.numels),
+                "shapes": [list(shape) for shape in group.buffer.shapes],
+                "had_grad": list(group.had_grad),
+            }
             if self.micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
-                # Segments in the buffer's memory order (a channels_last parameter's segment is channels_last).
-                entry["segments"] = torch.cat([group.buffer.segment(i) for i in range(len(group.params))])
+                # Each segment in its parameter's row-major order, whatever the memory format: the checkpoint loads
+                # into the model in either (model.to(memory_format=...) before or after resuming).
+                entry["segments"] = torch.cat([group.buffer.view(i).reshape(-1) for i in range(len(group.params))])
             window["buffers"].append(entry)
         state_dict = {**self.optimizer.state_dict(), "gafused": window}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -1701,12 +1747,20 @@ class GradAccumulator(torch.optim.Optimizer):
             saved_lrs = [now if _by_identity(lr) else lr for lr, now in zip(saved_lrs, current, strict=True)]
         self._window_lrs = saved_lrs
         self.stepped = False
-        for entry, group in zip(window["buffers"], self._groups, strict=True):
+        for index, group in enumerate(self._groups):
+            group.had_grad = [False] * len(group.params)  # what a window's start sets
+            if micro_step == 0:
+                continue  # between windows the buffers hold nothing of the checkpoint's (whose layout may differ)
+            entry = window["buffers"][index]
             group.had_grad = list(entry["had_grad"])
-            if micro_step > 0:
-                segments = entry["segments"].to(group.buffer.device, group.buffer.accum_dtype)
-                for index, start in enumerate(_running_starts(group.buffer.numels)):
-                    group.buffer.segment(index).copy_(segments[start : start + group.buffer.numels[index]])
+            segments = entry["segments"].to(group.buffer.device, group.buffer.accum_dtype)
+            buffer = group.buffer
+            for param_index, start in enumerate(_running_starts(buffer.numels)):
+                saved = segments[start : start + buffer.numels[param_index]]
+                if window["version"] == 2:  # the buffer's memory order, the same as this one's (checked)
+                    buffer.segment(param_index).copy_(saved)
+                else:
+                    buffer.view(param_index).copy_(saved.view(buffer.shapes[param_index]))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -1769,9 +1823,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if not isinstance(window, dict):
             raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
         version = window.get("version")
-        permuted = any(group.buffer.permuted for group in self._groups)
-        # Version 1 stored every segment row-major; it matches version 2 unless a segment is permuted.
-        if version != _STATE_VERSION and not (version == 1 and not permuted):
+        if version not in (1, 2, 3):
             raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
 
         def field_error(name: str, expected: str) -> ValueError:
@@ -1836,34 +1888,50 @@ class GradAccumulator(torch.optim.Optimizer):
                 "window_lrs", f"None or a list of {len(self.optimizer.param_groups)} learning rates (numbers or None)"
             )
         saved = window.get("buffers")
-        if not isinstance(saved, list) or len(saved) != len(self._groups):
+        if not isinstance(saved, list) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("numels"), list) for entry in saved
+        ):
+            raise ValueError("state_dict['gafused']['buffers']: expected a list of dicts with 'numels'")
+        if not open_window:
+            # No window to restore: parameters may have moved between buffers since (a layer cast to another
+            # dtype), but a checkpoint of parameters of other sizes is another model's.
+            sizes = sorted(numel for entry in saved for numel in entry["numels"])
+            if sizes != sorted(numel for group in self._groups for numel in group.buffer.numels):
+                raise ValueError(
+                    "state_dict['gafused']['buffers']: the checkpoint's parameter sizes ('numels') do not match this "
+                    "accumulator's parameters"
+                )
+            return window
+        if len(saved) != len(self._groups):
             raise ValueError(
                 f"state_dict['gafused']['buffers']: expected {len(self._groups)} buffer entries for this "
-                "accumulator's parameters"
+                f"accumulator's parameters (the window is open at micro_step {micro_step})"
             )
         for index, (entry, group) in enumerate(zip(saved, self._groups, strict=True)):
             where = f"state_dict['gafused']['buffers'][{index}]"
             if not isinstance(entry, dict) or entry.get("numels") != group.buffer.numels:
                 raise ValueError(f"{where}: its 'numels' do not match this accumulator's parameters")
+            shapes = [list(shape) for shape in group.buffer.shapes]
+            if version == 3 and entry.get("shapes") != shapes:
+                raise ValueError(f"{where}['shapes']: expected this accumulator's parameters' shapes {shapes}")
             had_grad = entry.get("had_grad")
             if not isinstance(had_grad, list) or len(had_grad) != len(group.params):
                 raise ValueError(f"{where}['had_grad']: expected a list of {len(group.params)} bools")
             if not all(isinstance(flag, bool) for flag in had_grad):
                 raise ValueError(f"{where}['had_grad']: expected bools only")
-            if open_window:
-                segments = entry.get("segments")
-                total = sum(group.buffer.numels)
-                if (
-                    not isinstance(segments, torch.Tensor)
-                    or segments.dim() != 1
-                    or segments.numel() != total
-                    or segments.dtype not in ACCUM_DTYPES
-                    or segments.is_meta
-                ):
-                    raise ValueError(
-                        f"{where}['segments']: expected a flat float32 or float64 tensor of {total} elements holding "
-                        f"data, not on the meta device (the window is open at micro_step {micro_step})"
-                    )
+            segments = entry.get("segments")
+            total = sum(group.buffer.numels)
+            if (
+                not isinstance(segments, torch.Tensor)
+                or segments.dim() != 1
+                or segments.numel() != total
+                or segments.dtype not in ACCUM_DTYPES
+                or segments.is_meta
+            ):
+                raise ValueError(
+                    f"{where}['segments']: expected a flat float32 or float64 tensor of {total} elements holding "
+                    f"data, not on the meta device (the window is open at micro_step {micro_step})"
+                )
         return window
 
 

@@ -142,6 +142,74 @@ def test_the_earlier_layout_still_loads_mid_window() -> None:
     _resumes_exactly(N + 2, earlier, micro_step=2)
 
 
+def _conv_model(memory_format: torch.memory_format) -> torch.nn.Module:
+    torch.manual_seed(3)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Tanh(), torch.nn.Conv2d(4, 2, 2)).double()
+    return conv.to(memory_format=memory_format)
+
+
+@pytest.mark.parametrize("saved, loaded", [("channels_last", "contiguous"), ("contiguous", "channels_last")])
+def test_a_mid_window_checkpoint_resumes_in_another_memory_format(saved: str, loaded: str) -> None:
+    """The window is saved in each parameter's row-major order: resuming after ``model.to(memory_format=...)`` (or
+    without it) is exact; saved in the buffer's memory order, the segments were scrambled (an error of 1e-2)."""
+    formats = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+    generator = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, 3, 6, 7, generator=generator, dtype=torch.float64) for _ in range(2 * N)]
+
+    def train(model: torch.nn.Module, opt: GradAccumulator, inputs: list[torch.Tensor]) -> None:
+        for x in inputs:
+            opt.backward(model(x).square().mean(), weight=x.shape[0])
+            opt.step()
+
+    def build(memory_format: str) -> tuple[torch.nn.Module, GradAccumulator]:
+        model = _conv_model(formats[memory_format])
+        return model, GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), N)
+
+    model, opt = build(saved)
+    train(model, opt, xs)
+    expected = [p.detach().clone() for p in model.parameters()]
+    model, opt = build(saved)
+    train(model, opt, xs[:1])
+    resumed, resumed_opt = build(loaded)
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt.load_state_dict(opt.state_dict())
+    assert resumed_opt.micro_step == 1
+    train(resumed, resumed_opt, xs[1:])
+    for param, value in zip(resumed.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.detach(), value, rtol=0, atol=1e-14)  # convolutions of either format
+
+
+def test_a_mid_window_checkpoint_of_other_shapes_is_refused() -> None:
+    """Parameters of the same sizes but other shapes: the window's segments would land transposed."""
+    saver_model = torch.nn.Linear(4, 6, bias=False)
+    saver = GradAccumulator(torch.optim.SGD(saver_model.parameters(), lr=0.1), N)
+    saver.backward(saver_model(torch.randn(2, 4)).sum())
+    saver.step()
+    loader_model = torch.nn.Linear(6, 4, bias=False)
+    loader = GradAccumulator(torch.optim.SGD(loader_model.parameters(), lr=0.1), N)
+    with pytest.raises(ValueError, match=r"\['buffers'\]\[0\]\['shapes'\]: expected .* \[\[4, 6\]\]"):
+        loader.load_state_dict(saver.state_dict())
+    assert loader.micro_step == 0
+
+
+def test_a_checkpoint_between_windows_loads_into_a_model_cast_since() -> None:
+    """Between windows the checkpoint holds no window: a layer cast to another dtype since (its parameters now in
+    a buffer of their own) loads; parameters of other sizes are another model's and are refused."""
+    model, opt = _build()
+    _train(model, opt, _batches(N))
+    opt.skipped_steps = 2
+    state = opt.state_dict()
+    cast = tanh_mlp()
+    cast[0].float()
+    loader = GradAccumulator(torch.optim.AdamW(cast.parameters(), lr=0.1), N)
+    assert len(loader.buffers) == len(opt.buffers) + 1
+    loader.load_state_dict(state)
+    assert (loader.micro_step, loader.skipped_steps) == (0, 2)
+    other = GradAccumulator(torch.optim.AdamW(torch.nn.Linear(5, 3).double().parameters(), lr=0.1), N)
+    with pytest.raises(ValueError, match="parameter"):
+        other.load_state_dict(state)
+
+
 def test_a_state_dict_without_param_groups_is_refused() -> None:
     _, opt = _build()
     with pytest.raises(ValueError, match="no 'param_groups'"):

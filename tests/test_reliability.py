@@ -156,6 +156,91 @@ def test_exception_in_a_gradient_hook_discards_the_window_and_training_goes_on(b
     _one_window_matches_the_truth(opt, model, reference, batches[2:])
 
 
+class _InterruptedFold:
+    """``ops.fold_`` that runs and then raises KeyboardInterrupt at its ``at``-th call: CPython raises a Ctrl-C
+    that arrives while an op runs as the op returns, after the op changed the buffer."""
+
+    def __init__(self, fold, at):
+        self.fold, self.at, self.calls = fold, at, 0
+
+    def __call__(self, *args, **kwargs):
+        result = self.fold(*args, **kwargs)
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return result
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_an_interrupt_as_a_fold_returns_discards_the_window(backend, loop, monkeypatch):
+    """Kept, the window would hold part of the interrupted micro-batch, and retrying it would fold that twice."""
+    import gafused.ops
+
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend, bucket_bytes=1)
+    batches = _batches(5)
+    micro_batch(opt, _loss(model, batches[0]), loop, weight=2)
+    monkeypatch.setattr(gafused.ops, "fold_", _InterruptedFold(gafused.ops.fold_, at=1))
+    with pytest.raises(KeyboardInterrupt) as raised:
+        micro_batch(opt, _loss(model, batches[1]), loop, weight=2)
+    monkeypatch.undo()
+    assert "window was discarded" in "".join(raised.value.__notes__)
+    assert opt.micro_step == 0 and opt._micro is None
+    assert all(p.grad is None for p in model.parameters())
+    _one_window_matches_the_truth(opt, model, reference, batches[2:])
+
+
+def test_zero_grad_after_a_windows_first_backward_drops_that_batch(backend):
+    """As zero_grad() drops a batch in a plain loop: the batch is the whole window so far, which goes."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    batches = _batches(4)
+    opt.backward(_loss(model, batches[0]), weight=2)
+    opt.zero_grad()
+    assert opt.micro_step == 0 and opt._micro is None
+    _one_window_matches_the_truth(opt, model, reference, batches[1:])
+
+
+def test_zero_grad_after_a_backward_that_folded_nothing_drops_that_batch(backend):
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    batches = _batches(4)
+    opt.backward(_loss(model, batches[0]), weight=2)
+    opt.step()
+    opt.backward(torch.ones(2, requires_grad=True).sum(), weight=7)  # reaches no parameter
+    opt.zero_grad()
+    assert opt.micro_step == 1 and opt._micro is None
+    for x in batches[1:3]:  # any weight: the dropped micro-batch's 7 is gone
+        opt.backward(_loss(model, x), weight=x.shape[0])
+        opt.step()
+    assert opt.stepped
+    _truth(reference, [batches[:3]])
+    _assert_same(model, reference)
+
+
+def test_zero_grad_after_a_later_backward_is_refused_and_changes_nothing(backend):
+    """That micro-batch is folded into the window's sum: it cannot be dropped alone, nor silently merged with the
+    next batch (zero_grad() once left it open, and the next backward() joined it)."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
+    batches = _batches(3)
+    opt.backward(_loss(model, batches[0]), weight=batches[0].shape[0])
+    opt.step()
+    opt.backward(_loss(model, batches[1]), weight=batches[1].shape[0])
+    before = [buffer.data.clone() for buffer in opt.buffers]
+    refused = r"zero_grad\(\): backward\(\) already folded .*micro-batch 2 of the window.*weight=0"
+    with pytest.raises(RuntimeError, match=refused):
+        opt.zero_grad()
+    assert opt.micro_step == 1 and opt._micro is not None
+    assert all(torch.equal(a, b.data) for a, b in zip(before, opt.buffers, strict=True))
+    opt.step()
+    opt.backward(_loss(model, batches[2]), weight=batches[2].shape[0])
+    opt.step()
+    assert opt.stepped
+    _truth(reference, [batches])
+    _assert_same(model, reference)
+
+
 def test_backward_that_fails_before_any_fold_changes_nothing(backend):
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, backend=backend)
