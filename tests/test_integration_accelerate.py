@@ -262,6 +262,23 @@ def test_prepare_refuses_bad_input(fresh_accelerate) -> None:
         gafused_accelerate.prepare(accelerator, model, optimizer)
 
 
+def test_the_optimizer_prepare_replaced_refuses_step_and_zero_grad(fresh_accelerate) -> None:
+    """A loop that dropped prepare()'s return value and kept Accelerate's optimizer would bypass gafused: that
+    optimizer's step() and zero_grad() raise, naming the fix, and change nothing; free_memory() gives them back."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=2)
+    prepared = gafused_accelerate.prepare(accelerator, model, optimizer)
+    with accelerator.accumulate(model):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+        for call in ("step", "zero_grad"):
+            with pytest.raises(RuntimeError, match=rf"optimizer\.{call}\(\): this optimizer was replaced.*use the opt"):
+                getattr(optimizer, call)()
+        assert prepared.accumulator._micro is not None  # the micro-batch is still open: prepared.step() ends it
+        prepared.step()
+    assert prepared.micro_step == 1
+    accelerator.free_memory()
+    assert "step" not in vars(optimizer) and "zero_grad" not in vars(optimizer)
+
+
 def test_prepare_refuses_what_it_does_not_support(fresh_accelerate, monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
@@ -582,6 +599,31 @@ def test_a_refused_step_changes_nothing(fresh_accelerate) -> None:
     _assert_matches(accelerator.unwrap_model(model), reference)
 
 
+@pytest.mark.parametrize("loop", ["accelerator.backward", "loss.backward"])
+def test_a_second_step_in_one_block_is_refused(fresh_accelerate, loop: str) -> None:
+    """A second optimizer.step() in one accumulate() block, with no backward since the first, would end a
+    micro-batch without gradients: at the sync step a window of its own, the inner optimizer stepping again on a
+    zero gradient. It is refused in every block and changes nothing: the windows step as plain PyTorch does."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=4)
+    inner_steps = []
+    optimizer.optimizer.register_step_post_hook(lambda *_: inner_steps.append(1))
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = _initial_state(accelerator, model)
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            _micro_batch(accelerator, model, optimizer, batch, index, loop)
+            before = (len(inner_steps), optimizer.micro_step, optimizer.stepped, optimizer.step_was_skipped)
+            with pytest.raises(RuntimeError, match=r"already ended by an earlier optimizer\.step\(\)"):
+                optimizer.step()
+            assert (len(inner_steps), optimizer.micro_step, optimizer.stepped, optimizer.step_was_skipped) == before
+            scheduler.step()
+            optimizer.zero_grad()
+    assert len(inner_steps) == 2 and scheduler.scheduler.last_epoch == 2
+    reference = _reference_windows(initial, batches, [[0, 1], [2, 3]], [0.1, 0.1 / 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
 _OUTSIDE = r"no accelerator\.accumulate\(model\) block was entered since the last optimizer\.step\(\)"
 
 
@@ -784,3 +826,34 @@ def test_a_plain_accelerate_checkpoint_resumes_with_an_empty_window(fresh_accele
     with pytest.raises(RuntimeError, match="open window"):  # a plain state cannot replace an open window
         optimizer.load_state_dict(torch.load(tmp_path / "optimizer.bin", weights_only=True))
     assert optimizer.micro_step == 1
+
+
+def test_load_state_before_prepare_is_refused(fresh_accelerate, tmp_path) -> None:
+    """accelerator.load_state() before prepare(): Accelerate's own optimizer drops the checkpoint's open window (the
+    window-file hook is not installed yet) while accelerator.step comes back mid-window. prepare() refuses, changing
+    nothing; in the README's order (prepare, then load_state) the window comes back."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=4, batches=6)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    for index, batch in enumerate(list(loader)[:2]):
+        with accelerator.accumulate(model):
+            _micro_batch(accelerator, model, optimizer, batch, index, "accelerator.backward")
+            optimizer.zero_grad()
+    accelerator.save_state(str(tmp_path))
+    saved = optimizer.state_dict()["gafused"]
+    assert saved["micro_step"] == 2
+    _reset_accelerate()
+
+    accelerator, model, optimizer, _, scheduler = _prepared(steps=4, batches=6)
+    accelerator.load_state(str(tmp_path))
+    assert accelerator.step == 2
+    with pytest.raises(RuntimeError, match=r"accelerator\.load_state\(\) was called before .*load_state\(\) after"):
+        gafused_accelerate.prepare(accelerator, model, optimizer)
+    assert accelerator._optimizers == [optimizer] and scheduler.optimizers == [optimizer]
+    assert "backward" not in vars(accelerator) and "step" not in vars(optimizer) and accelerator.step == 2
+    _reset_accelerate()
+
+    accelerator, model, optimizer, _, _ = _prepared(steps=4, batches=6)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    accelerator.load_state(str(tmp_path))
+    assert accelerator.step == 2 and optimizer.micro_step == 2
+    assert torch.equal(optimizer.state_dict()["gafused"]["weight_sum"], saved["weight_sum"])

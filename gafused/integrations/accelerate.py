@@ -29,17 +29,21 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
   blocks (``Accelerator._do_sync``), and a ``backward`` or ``step()`` after a block that left gradients no ``step()``
   ended raises. A block that runs no backward (a skipped batch) leaves nothing, nor does one whose ``step()`` failed
   (the inner optimizer raised: gafused discarded the window), so the loop goes on; a refused ``step()`` changes
-  nothing and can be made again. The optimizer returned here is an ``AcceleratedOptimizer`` whose
+  nothing and can be made again. A second ``step()`` in one block with no backward since the first would end a
+  micro-batch without gradients (at the sync step, a window of its own: a second inner step on a zero gradient):
+  it is refused in every block. The optimizer returned here is an ``AcceleratedOptimizer`` whose
   ``step()`` always reaches the accumulator (the window's last finishes it) and whose ``step_was_skipped`` says
-  whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads. A forward, backward or
-  ``step()`` made after its block's exit (before the next block) belongs to that block's micro-batch.
+  whether gafused skipped a non-finite window, which ``AcceleratedScheduler`` reads; the optimizer it replaces
+  refuses ``step()`` and ``zero_grad()`` (a loop that kept it would bypass gafused) until ``free_memory()``. A
+  forward, backward or ``step()`` made after its block's exit (before the next block) belongs to that block's
+  micro-batch.
 - **Outside ``accumulate()``.** Plain Accelerate also runs a loop with no ``accumulate()`` block: ``sync_gradients``
   keeps its last value (True from the start), ``backward`` still divides each loss by ``gradient_accumulation_steps``
   and every ``step()`` steps on the sum since ``zero_grad()``. gafused cannot tell those micro-batches apart (every
   backward until ``step()`` would be one undivided micro-batch), so with no ``accumulate()`` block entered since the
   last ``step()``, ``accelerator.backward`` is refused when ``gradient_accumulation_steps`` > 1 (Accelerate asks for
   ``accumulate()`` then too), and ``accelerator.backward`` or ``step()`` while ``sync_gradients`` is False (set by
-  hand, or a second ``step()`` in a block before the sync step); a refused call changes nothing. Otherwise each
+  hand, or a second micro-batch in a block before the sync step); a refused call changes nothing. Otherwise each
   ``step()`` is a window of its own: plain Accelerate's update (after ``loss.backward()``, its undivided sum).
 - **The scheduler** (``AcceleratedScheduler``) steps only when ``sync_gradients`` (and, without ``split_batches``,
   ``num_processes`` times, Accelerate's convention): once per gafused window. ``prepare`` points the accelerator's
@@ -59,7 +63,8 @@ What Accelerate does, and what ``prepare`` changes (accelerate 1.x, ``accelerato
   main process only, and ``accelerator.step`` (Accelerate's position in the window) per process. Under DDP each rank's
   open window holds its own, unreduced, part, so a save-state hook writes every rank's window to
   ``gafused_window_<rank>.bin`` and a load-state hook gives it back to that rank: a checkpoint taken mid-window resumes
-  bitwise.
+  bitwise. Call ``load_state`` after ``prepare``: before it, Accelerate's own optimizer would drop the open window, so
+  ``prepare`` refuses an ``accelerator.step`` in the middle of a window (``free_memory()`` resets it).
 """
 
 from __future__ import annotations
@@ -187,6 +192,13 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
                 f"optimizer.step(): {self._blocks - self._blocks_at_step} accelerator.accumulate() blocks ran since "
                 "the last optimizer.step(), and an earlier one left gradients no step() ended; " + _STEP_EVERY_BLOCK
             )
+        if self._blocks == self._blocks_at_step and self._blocks > 0 and not self._holds_unended():
+            raise RuntimeError(
+                "optimizer.step(): this accelerator.accumulate() block's micro-batch was already ended by an earlier "
+                "optimizer.step(), and no backward ran since: a second step() would end a micro-batch without "
+                "gradients (at the sync step, a window of its own: the inner optimizer would step again on a zero "
+                "gradient); call optimizer.step() once per accumulate() block"
+            )
         sync = self.gradient_state.sync_gradients
         if not sync and self._blocks == self._blocks_at_step:
             raise RuntimeError(_outside_block("optimizer.step()", self.gradient_state.num_steps))
@@ -268,7 +280,8 @@ def prepare(
     reduce_dtype: torch.dtype | None = None,
     normalization: str = "mean",
 ) -> AcceleratedGradAccumulator:
-    """Hand the optimizer of a prepared Accelerate loop to gafused; call it right after ``accelerator.prepare``.
+    """Hand the optimizer of a prepared Accelerate loop to gafused; call it right after ``accelerator.prepare``
+    (before ``accelerator.load_state``: with ``accelerator.step`` in the middle of a window it raises).
 
     The window is Accelerate's: it ends where ``accelerator.sync_gradients`` is True (every
     ``gradient_accumulation_steps`` micro-batches inside ``accelerator.accumulate(model)``, and at the end of the
@@ -347,6 +360,16 @@ def prepare(
             f"model: with {accelerator.num_processes} processes accelerator.prepare() returns a "
             f"DistributedDataParallel module, got {type(model).__name__}"
         )
+    # Mid-window before prepare: a checkpoint loaded by Accelerate's optimizer (which drops gafused's open window;
+    # the window-file hook is not installed yet), or micro-batches Accelerate's own backward already divided.
+    steps = accelerator.gradient_accumulation_steps
+    if accelerator.step % steps != 0:
+        raise RuntimeError(
+            f"accelerator: accelerator.step is {accelerator.step}, in the middle of a window of "
+            f"gradient_accumulation_steps={steps}: accelerator.load_state() was called before "
+            "gafused.integrations.accelerate.prepare() (the checkpoint's open window would be lost), or training "
+            "ran before it. Call prepare() right after accelerator.prepare(), and accelerator.load_state() after it"
+        )
     accumulator = GradAccumulator(
         optimizer.optimizer,
         None,  # driven: Accelerate's sync_gradients ends the window
@@ -364,7 +387,7 @@ def prepare(
     for scheduler in accelerator._schedulers:
         if isinstance(scheduler, AcceleratedScheduler):
             scheduler.optimizers = [prepared if opt is optimizer else opt for opt in scheduler.optimizers]
-    _install(accelerator, prepared, wrapped)
+    _install(accelerator, prepared, wrapped, optimizer)
     return prepared
 
 
@@ -372,10 +395,12 @@ def _install(
     accelerator: Accelerator,
     prepared: AcceleratedGradAccumulator,
     ddp: torch.nn.parallel.DistributedDataParallel | None,
+    replaced: AcceleratedOptimizer,
 ) -> None:
     """Route this accelerator's backward through gafused, refuse its clipping of gafused's parameters, leave the
-    gradient sync of ``ddp`` (the DDP module gafused reduces, if any) to gafused, and carry every process's open
-    window through save_state / load_state."""
+    gradient sync of ``ddp`` (the DDP module gafused reduces, if any) to gafused, carry every process's open
+    window through save_state / load_state, and refuse ``step()`` / ``zero_grad()`` on ``replaced`` (the optimizer
+    ``prepared`` replaces: a loop that kept it would bypass gafused)."""
     accumulator = prepared.accumulator
     managed = {id(param) for group in accumulator.param_groups for param in group["params"]}
     clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
@@ -468,14 +493,22 @@ def _install(
     def free_memory_and_uninstall(*objects: Any) -> Any:
         """Accelerate's free_memory (also behind clear()), which forgets the prepared optimizer: gafused's
         routing goes with it, so the accelerator can prepare a new run, with gafused or without."""
-        for name, value in replaced.items():
-            if value is None:
-                accelerator.__dict__.pop(name, None)
-            else:
-                accelerator.__dict__[name] = value
+        for restore in restores:
+            restore()
         for handle in handles:
             handle.remove()
         return free_memory(*objects)
+
+    def use_the_returned_optimizer(call: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"{call}: this optimizer was replaced by the one gafused.integrations.accelerate.prepare() returned "
+                "(the accelerator and its schedulers use that one, and its step() ends each micro-batch); use the "
+                "optimizer prepare() returned: optimizer = gafused.integrations.accelerate.prepare(accelerator, "
+                "model, optimizer)"
+            )
+
+        return refuse
 
     patches = {
         "backward": backward,
@@ -486,11 +519,34 @@ def _install(
         "free_memory": free_memory_and_uninstall,
         "_gafused_optimizer": prepared,
     }
-    # What the instance itself held under those names (None: nothing, the class's attribute showed through).
-    replaced = {name: accelerator.__dict__.get(name) for name in patches}
     handles = [
         accelerator.register_save_state_pre_hook(save_window),
         accelerator.register_load_state_pre_hook(load_window),
     ]
-    for name, value in patches.items():
-        setattr(accelerator, name, value)
+    restores = [
+        _set_on_instance(accelerator, patches),
+        _set_on_instance(
+            replaced,
+            {
+                "step": use_the_returned_optimizer("optimizer.step()"),
+                "zero_grad": use_the_returned_optimizer("optimizer.zero_grad()"),
+            },
+        ),
+    ]
+
+
+def _set_on_instance(obj: Any, values: dict[str, Any]) -> Callable[[], None]:
+    """Set ``values`` on ``obj`` itself (not its class); the call returned puts back what the instance held under
+    those names (or nothing, where the class's attribute showed through)."""
+    held = {name: vars(obj)[name] for name in values if name in vars(obj)}
+    for name, value in values.items():
+        setattr(obj, name, value)
+
+    def restore() -> None:
+        for name in values:
+            if name in held:
+                vars(obj)[name] = held[name]
+            else:
+                vars(obj).pop(name, None)
+
+    return restore
