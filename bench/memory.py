@@ -36,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import timing  # noqa: E402 - bench/timing.py, a sibling (bench/ is on the path wherever this module is imported)
+
 import gafused  # noqa: E402 - run as a script from a checkout as well as installed
 
 RECIPES = ("plain", "megatron", "gafused-step", "gafused-backward")
@@ -75,12 +77,16 @@ class _CpuTracker:
     def __init__(self) -> None:
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
+    # The profiler's native start/stop lines would break up run.py's progress bars; only those two calls are
+    # silenced, not what the tracked block prints.
     def __enter__(self) -> _CpuTracker:
-        self._profile.__enter__()
+        with timing.quiet_stderr():
+            self._profile.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._profile.__exit__(*exc)
+        with timing.quiet_stderr():
+            self._profile.__exit__(*exc)
 
     def mark(self) -> None:
         """Mark the start of the measured stretch."""

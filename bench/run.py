@@ -125,6 +125,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.accumulation_steps < 3:
         steps = args.accumulation_steps
         parser.error(f"--accumulation-steps must be >= 3 (a first, a middle and a last micro-batch), got {steps}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.compile_max_tensors is not None and args.compile_max_tensors < 0:
+        parser.error(f"--compile-max-tensors must be >= 0 (0 compiles no set), got {args.compile_max_tensors}")
     return args
 
 
@@ -202,31 +206,78 @@ def _copy_nbytes(param_set: param_sets.ParamSet, device: torch.device, quick: bo
     return nbytes
 
 
+def _selected_device(args) -> torch.device:
+    """``--device`` (cuda or cpu; the default: cuda when available), refused when torch cannot use it."""
+    if args.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
+        raise SystemExit(f"--device: {args.device!r} is neither cuda (cuda:N) nor cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device: {args.device} asked for, but torch {torch.__version__} sees no CUDA device; "
+                         f"use --device cpu")  # fmt: skip
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(f"--device: {args.device} does not exist; {torch.cuda.device_count()} CUDA device(s) seen")
+    return device
+
+
+def _selected_dtypes(args, mode: str) -> list[str]:
+    """The gradient dtypes to time: ``--dtypes`` (each once, in order) or the mode's default."""
+    dtypes = list(dict.fromkeys((_DEFAULT_DTYPES[mode] if args.dtypes is None else args.dtypes).split(",")))
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"--dtypes: unknown {unknown} in {args.dtypes!r}; choose from {', '.join(DTYPES)}")
+    return dtypes
+
+
 def _selected_sets(args, device: torch.device, mode: str) -> list[param_sets.ParamSet]:
+    """The sets to time: every set of the mode on ``device``, or those of ``--sets`` among them (a set of another
+    mode or device is named on stderr and skipped; an unknown name, or no set left, is refused)."""
     sets = param_sets.default_sets(device.type, mode)
-    if args.sets:
-        wanted = args.sets.split(",")
-        sets = [s for s in sets if s.name in wanted]
-        if not sets:
-            raise SystemExit(f"--sets: none of {wanted} exists on {device.type}; choose from "
-                             f"{[s.name for s in param_sets.default_sets(device.type, mode)]}")  # fmt: skip
-    return sets
+    if args.sets is None:
+        return sets
+    here = [s.name for s in sets]
+    wanted = list(dict.fromkeys(args.sets.split(",")))
+    known = {s.name for kind in ("cuda", "cpu") for m in param_sets.MODES for s in param_sets.default_sets(kind, m)}
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise SystemExit(f"--sets: unknown {unknown}; a {mode} run on {device.type} has {', '.join(here)}")
+    if not set(wanted) & set(here):
+        raise SystemExit(f"--sets: none of {wanted} is a set of a {mode} run on {device.type}; choose from "
+                         f"{', '.join(here)}")  # fmt: skip
+    for name in wanted:
+        if name not in here:
+            print(f"--sets: {name} skipped: not a set of a {mode} run on {device.type}", file=sys.stderr)
+    return [s for s in sets if s.name in wanted]
 
 
 def _selected_providers(args, device: torch.device) -> list[str]:
     """The providers to time: every one that runs on ``device``, or those of ``--providers`` that do (each one
-    that does not is named on stderr with the reason)."""
+    that does not is named on stderr with the reason; when none does, the selection is refused)."""
     names = providers.provider_names(device)
-    if args.providers:
-        wanted = args.providers.split(",")
-        unknown = set(wanted) - set(providers.PROVIDERS)
+    if args.providers is not None:
+        wanted = list(dict.fromkeys(args.providers.split(",")))
+        unknown = [name for name in wanted if name not in providers.PROVIDERS]
         if unknown:
-            raise SystemExit(f"--providers: unknown {sorted(unknown)}; choose from {', '.join(providers.PROVIDERS)}")
-        for name in dict.fromkeys(n for n in wanted if n not in names):
-            print(f"--providers: {name} skipped on {device.type}: {providers.unavailable_reason(name, device)}",
-                  file=sys.stderr)  # fmt: skip
+            raise SystemExit(f"--providers: unknown {unknown}; choose from {', '.join(providers.PROVIDERS)}")
+        skipped = {name: providers.unavailable_reason(name, device) for name in wanted if name not in names}
+        if not set(wanted) & set(names):
+            reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+            raise SystemExit(f"--providers: none of {wanted} can be timed on {device.type} ({reasons}); choose "
+                             f"from {', '.join(names)}")  # fmt: skip
+        for name, reason in skipped.items():
+            print(f"--providers: {name} skipped on {device.type}: {reason}", file=sys.stderr)
         names = [n for n in names if n in wanted]
     return names
+
+
+def _selection(args, device: torch.device, mode: str) -> tuple[list[param_sets.ParamSet], list[str], list[str]]:
+    """The micro-benchmark's (sets, providers, gradient dtypes), or SystemExit naming the option at fault."""
+    dtypes = _selected_dtypes(args, mode)
+    return _selected_sets(args, device, mode), _selected_providers(args, device), dtypes
 
 
 def run_micro(
@@ -237,6 +288,7 @@ def run_micro(
     rows: list[dict] | None = None,
     where: dict | None = None,
     after_block: Callable[[], object] | None = None,
+    selection: tuple[list[param_sets.ParamSet], list[str], list[str]] | None = None,
 ) -> list[dict]:
     """Every (set, dtype, provider, moment) row of the accumulation micro-benchmark.
 
@@ -245,13 +297,11 @@ def run_micro(
             new one by default. Returned, with the speedups filled in.
         where: a dict whose ``during`` names the set, dtype and provider being measured (for an interruption).
         after_block: called after each (set, dtype) block, e.g. to save what is measured so far.
+        selection: ``_selection(args, device, mode)`` when the caller checked the options already; made here
+            otherwise.
     """
     mode = _mode(args)
-    sets = _selected_sets(args, device, mode)
-    names = _selected_providers(args, device)
-    dtypes = (args.dtypes or _DEFAULT_DTYPES[mode]).split(",")
-    if set(dtypes) - set(DTYPES):
-        raise SystemExit(f"--dtypes must be a subset of {list(DTYPES)}, got {args.dtypes}")
+    sets, names, dtypes = selection if selection is not None else _selection(args, device, mode)
 
     rows = [] if rows is None else rows
     where = {} if where is None else where
@@ -502,8 +552,9 @@ def _save(results: dict, stem: Path) -> list[Path]:
 
 
 def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progress, results: dict, where: dict,
-               save: Callable[[], object]) -> None:  # fmt: skip
-    """Every part the arguments ask for, each result stored in ``results`` as it comes and saved after each part."""
+               save: Callable[[], object], selection: tuple) -> None:  # fmt: skip
+    """Every part the arguments ask for, each result stored in ``results`` as it comes and saved after each part;
+    ``selection``: the micro-benchmark's, from ``_selection``."""
     if not args.kernels_only:
         where["during"] = "memory and correctness"
         # The Triton count runs in a child process beside the untimed parts (memory, correctness).
@@ -512,7 +563,9 @@ def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progr
         results["correctness"] = correctness.run_correctness(progress)
         results["triton_launches"] = count.result() if count is not None else None
         save()
-        run_micro(args, device, timer, progress, rows=results["micro"], where=where, after_block=save)
+        run_micro(
+            args, device, timer, progress, rows=results["micro"], where=where, after_block=save, selection=selection
+        )
     if not (args.no_e2e or args.kernels_only):
         where["during"] = "end to end"
         results["e2e"] = {}
@@ -526,6 +579,9 @@ def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progr
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    for option, path in (("--table", args.table), ("--plot-only", args.plot_only)):
+        if path is not None and not path.is_file():
+            raise SystemExit(f"{option}: {path} is not a file (a results JSON written by bench/run.py)")
     if args.table:
         print(summary.readme_tables(json.loads(args.table.read_text())))
         return 0
@@ -537,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load_before = _load_average()
     mode = _mode(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # Refused before anything runs or is written, not after minutes of measuring.
+    device = _selected_device(args)
+    selection = _selection(args, device, mode)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     device_label = _device_name(device)
@@ -545,7 +603,6 @@ def main(argv: list[str] | None = None) -> int:
         device_label += f" ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     now = datetime.datetime.now(datetime.timezone.utc)
     out = args.out if args.out is not None else default_out()
-    # Refused before anything runs, not after minutes of measuring.
     if out.exists() and not out.is_dir():
         raise SystemExit(f"--out: {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -618,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = None
     with interrupt.sigterm_raises():
         try:
-            _run_parts(args, mode, device, timer, progress, results, where, save)
+            _run_parts(args, mode, device, timer, progress, results, where, save, selection)
         except interrupt.STOPPED as stopped:
             stop = stopped
             meta["interrupted"] = {

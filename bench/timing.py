@@ -42,6 +42,7 @@ __all__ = [
     "launch_unit",
     "profiler_activities",
     "page_size",
+    "quiet_stderr",
 ]
 
 # Written before every sample so no input is still in cache from the previous one.
@@ -197,7 +198,7 @@ def count_launches(run: Callable[[], object], prepare: Callable[[], object] | No
         prepare()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    with _quiet_stderr(), torch.profiler.profile(activities=profiler_activities(device)) as profile:
+    with quiet_stderr(), torch.profiler.profile(activities=profiler_activities(device)) as profile:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -210,8 +211,9 @@ def count_launches(run: Callable[[], object], prepare: Callable[[], object] | No
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence the profiler's native start/stop lines, which would break up the progress display."""
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 inside the block: the profiler's native start/stop lines would break up the
+    progress display (``count_launches`` here, the CPU tracker of memory.py)."""
     saved = os.dup(2)
     try:
         with open(os.devnull, "w") as devnull:

@@ -501,6 +501,78 @@ def test_bad_arguments_are_refused_before_anything_runs(monkeypatch, tmp_path, c
     assert message in str(info.value) + capsys.readouterr().err
 
 
+# Every provider asked for exists, none can be timed on CPU (Triton's interpreter is not timed; the CUDA extension
+# needs CUDA tensors).
+_UNTIMED_ON_CPU = [name for name in providers.PROVIDERS if name not in providers.provider_names(torch.device("cpu"))]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtypes", "fp16"], "--dtypes: unknown ['fp16'] in 'fp16'; choose from bf16, fp32"),
+        (["--dtypes", "bf16,"], "--dtypes: unknown ['']"),
+        (["--sets", "single-big,nosuchset"], "--sets: unknown ['nosuchset']; a quick run on cpu has "),
+        (["--sets", "llama-7b"], "--sets: none of ['llama-7b'] is a set of a quick run on cpu; choose from "),
+        (["--providers", ",".join(_UNTIMED_ON_CPU)], "--providers: none of "),
+        (["--providers", ""], "--providers: unknown ['']"),
+        (["--device", "tpu"], "--device: 'tpu' is neither cuda (cuda:N) nor cpu"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--compile-max-tensors", "-1"], "--compile-max-tensors must be >= 0"),
+        (["--table", "MISSING"], "is not a file"),
+    ],
+    ids=["dtype", "empty-dtype", "unknown-set", "set-of-another-mode", "no-provider-runs", "empty-provider",
+         "device", "threads", "compile-max-tensors", "missing-table"],
+)  # fmt: skip
+def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
+    monkeypatch, tmp_path, capsys, argv, message
+) -> None:
+    """A wrong option used to surface only when the micro-benchmark started, after memory and correctness (30-45 s
+    on CPU, minutes on a GPU), leaving a results file marked partial."""
+    import run
+
+    def too_late(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - stands in for _run_parts
+        raise AssertionError("a part ran before the options were checked")
+
+    monkeypatch.setattr(run, "_run_parts", too_late)
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "missing.json") if arg == "MISSING" else arg for arg in argv]
+    with pytest.raises(SystemExit) as info:
+        run.main(["--quick", "--no-progress", "--device", "cpu", "--out", str(out), *argv])
+    assert info.value.code not in (0, None)
+    assert message in str(info.value.code) + capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_provider_selection_that_cannot_run_here_exits_non_zero_with_the_reasons(tmp_path) -> None:
+    """The command line as a user runs it: exit status 1, the reasons on stderr, no results directory."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "bench/run.py"), "--quick", "--no-progress", "--no-e2e", "--no-kernels",
+               "--device", "cpu", "--out", str(out), "--providers", ",".join(_UNTIMED_ON_CPU)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"--providers: none of {_UNTIMED_ON_CPU} can be timed on cpu" in done.stderr
+    for name in _UNTIMED_ON_CPU:
+        assert f"{name}: {providers.unavailable_reason(name, torch.device('cpu'))}" in done.stderr
+    assert done.stdout == "" and not out.exists()
+
+
+def test_a_set_of_another_mode_or_device_is_skipped_with_a_message(capsys) -> None:
+    import run
+
+    args = run._parse_args(["--quick", "--sets", "gpt2-124m,single-big"])  # gpt2-124m: the GPU's layout
+    assert [s.name for s in run._selected_sets(args, torch.device("cpu"), "quick")] == ["single-big"]
+    assert "--sets: gpt2-124m skipped: not a set of a quick run on cpu" in capsys.readouterr().err
+
+
+def test_the_memory_tracker_keeps_the_profilers_lines_off_stderr(capfd) -> None:
+    """torch.profiler prints native start/stop lines on stderr (torch 2.13), over run.py's progress bars."""
+    import memory
+
+    row = memory.measure("plain", torch.float32, layers=1, width=8)
+    assert row["peak_bytes"] > 0
+    assert capfd.readouterr().err == ""
+
+
 def test_kernel_configs_times_the_triton_folds_under_each_block_configuration(monkeypatch) -> None:
     import kernel_configs
 
