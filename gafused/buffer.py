@@ -21,6 +21,8 @@ __all__ = ["FlatGradBuffer", "ACCUM_DTYPES"]
 
 # Wider-than-parameter accumulation is the point of the buffer; narrower ones would lose bits.
 ACCUM_DTYPES = (torch.float32, torch.float64)
+# Parameter (and gradient) dtypes the ops fold.
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -120,15 +122,25 @@ class FlatGradBuffer:
             raise ValueError("FlatGradBuffer: params must hold at least one tensor")
         if accum_dtype not in ACCUM_DTYPES:
             raise ValueError(f"FlatGradBuffer: accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype}")
-        if alignment_bytes < 16 or alignment_bytes & (alignment_bytes - 1):
+        if (
+            isinstance(alignment_bytes, bool)
+            or not isinstance(alignment_bytes, int)
+            or alignment_bytes < 16
+            or alignment_bytes & (alignment_bytes - 1)
+        ):
             raise ValueError(f"FlatGradBuffer: alignment_bytes must be a power of two >= 16, got {alignment_bytes}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"FlatGradBuffer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"FlatGradBuffer: params[{i}] must be a torch.Tensor, got {type(p).__name__}")
-            if not p.is_floating_point():
-                raise ValueError(f"FlatGradBuffer: params[{i}] must be floating point, got {p.dtype}")
+            if p.dtype not in PARAM_DTYPES:
+                raise ValueError(
+                    f"FlatGradBuffer: params[{i}] must be float16, bfloat16, float32 or float64 (the gradient dtypes "
+                    f"the ops fold), got {p.dtype}"
+                )
+            if p.layout != torch.strided:
+                raise ValueError(f"FlatGradBuffer: params[{i}] must be a dense (strided) tensor, got {p.layout}")
             if torch.finfo(p.dtype).bits > torch.finfo(accum_dtype).bits:
                 raise ValueError(
                     f"FlatGradBuffer: accum_dtype {accum_dtype} is narrower than params[{i}]'s dtype {p.dtype}"

@@ -243,7 +243,8 @@ def fold_finish_(
     """
     fold_(acc, grads, offsets, numels, weight, first)
     views = _views(acc, offsets, numels)
-    torch._foreach_mul_(views.flat, scale.to(acc.dtype))
+    if views.flat:  # (a layout of no segments: nothing to scale; foreach ops refuse empty lists)
+        torch._foreach_mul_(views.flat, scale.to(acc.dtype))
     squares = _squares(views, acc)
     total = squares.sum()
     return total.to(acc.dtype), _nonfinite(views.flat, total, acc)
@@ -321,6 +322,8 @@ def scale_(
     """
     views = _views(acc, offsets, numels)
     c = coef.to(acc.dtype)
+    if not views.flat:
+        return
     if out is None:
         torch._foreach_mul_(views.flat, c)
         return

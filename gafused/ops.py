@@ -207,7 +207,8 @@ def _fold_op(
     first: bool,
     backend: str,
 ) -> None:
-    _backend_for(acc, backend).fold_(acc, grads, offsets, numels, weight, first)
+    _check_lengths(grads, offsets, numels)
+    _backend_for(acc, backend).fold_(acc, _resolved(grads), offsets, numels, weight, first)
 
 
 @torch.library.custom_op("gafused::fold_finish_", mutates_args=("acc",), tags=_TAGS)
@@ -221,7 +222,24 @@ def _fold_finish_op(
     first: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backend_for(acc, backend).fold_finish_(acc, grads, offsets, numels, weight, scale, first)
+    _check_lengths(grads, offsets, numels)
+    return _backend_for(acc, backend).fold_finish_(acc, _resolved(grads), offsets, numels, weight, scale, first)
+
+
+def _check_lengths(grads: list[torch.Tensor | None], offsets: list[int], numels: list[int]) -> None:
+    """What the registered ops check themselves (a backend would read past the end of a shorter list); everything
+    else about the gradients is ``check_grads``' work, which ``gafused.ops``' functions run first."""
+    if not len(grads) == len(offsets) == len(numels):
+        raise ValueError(
+            f"grads, offsets and numels must have one entry per segment, got {len(grads)}, {len(offsets)} and "
+            f"{len(numels)}"
+        )
+
+
+def _resolved(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The gradients a compiled graph hands a custom op, with a lazily negated view (``torch._neg_view``) resolved:
+    ``check_grads`` resolves them in eager code, but while tracing no tensor is negated yet."""
+    return [grad.resolve_neg() if grad is not None and grad.is_neg() else grad for grad in grads]
 
 
 @_fold_finish_op.register_fake
@@ -395,6 +413,11 @@ def check_grads(
         grads: one gradient or None per segment.
         names: how to name segment ``i`` in an error (default ``grads[i]``).
     """
+    _check_buffer(buffer)
+    if isinstance(grads, (torch.Tensor, str)) or not isinstance(grads, Sequence):
+        raise TypeError(f"grads must be a list with one gradient or None per segment, got {type(grads).__name__}")
+    if names is not None and len(names) != len(grads):
+        raise ValueError(f"names must name every entry of grads ({len(grads)}), got {len(names)}")
     grads = CheckedGrads(grads)
     if len(grads) != len(buffer):
         raise ValueError(f"grads must hold one entry per buffer segment ({len(buffer)}), got {len(grads)}")
@@ -406,6 +429,11 @@ def check_grads(
             grads.shapes = accepted.shapes
             return grads
     return _check_each(buffer, grads, names)
+
+
+def _check_buffer(buffer: object) -> None:
+    if not isinstance(buffer, FlatGradBuffer):
+        raise TypeError(f"buffer must be a gafused.FlatGradBuffer, got {type(buffer).__name__}")
 
 
 def _no_tracing() -> bool:
@@ -430,10 +458,18 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
             or (index in permuted and grad.shape != buffer.shapes[index])
         ):
             raise _bad_grad(buffer, index, grad, names)
+        if _shares_memory(grad, buffer):
+            label = f"grads[{index}]" if names is None else names[index]
+            raise ValueError(
+                f"{label} shares memory with the buffer (a view of it, such as a finished gradient "
+                "handed out as p.grad): the fold would read what it writes; pass a copy"
+            )
         if grad.requires_grad:  # a gradient with a graph of its own (create_graph=True): fold its value
             grads[index] = grad = grad.detach()
             as_given = False
-        if grad.is_neg():  # a lazily negated view (torch._neg_view): its memory holds the negated values
+        # A lazily negated view (torch._neg_view): its memory holds the negated values. (While tracing, the custom
+        # op resolves it: is_neg() would break the graph.)
+        if not torch.compiler.is_compiling() and grad.is_neg():
             grads[index] = grad = grad.resolve_neg()
             as_given = False
         if index in permuted:
@@ -445,6 +481,13 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
     if as_given and _TensorGuards is not None and _no_tracing():
         _record_layout(buffer, given, grads)
     return grads
+
+
+def _shares_memory(grad: torch.Tensor, buffer: FlatGradBuffer) -> bool:
+    """Whether ``grad`` is a view of the buffer's storage (eager tensors with memory only)."""
+    if grad.numel() == 0 or grad.device.type == "meta" or not _no_tracing() or type(grad) is not torch.Tensor:
+        return False  # (an empty tensor has no memory to share: its storage address may be 0, as the buffer's)
+    return grad.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
 
 
 def _record_layout(buffer: FlatGradBuffer, given: list[torch.Tensor | None], grads: CheckedGrads) -> None:
@@ -492,6 +535,7 @@ def _checked(buffer: FlatGradBuffer, grads: Sequence[torch.Tensor | None], check
     """The gradients a backend gets: checked now, or as the caller's earlier ``check_grads`` returned them."""
     if check:
         return check_grads(buffer, grads)
+    _check_buffer(buffer)
     return grads if type(grads) is CheckedGrads else list(grads)
 
 
@@ -522,7 +566,7 @@ def fold_(
     if _eager(buffer.data):
         _backend_for(buffer.data, name).fold_(buffer.data, checked, buffer.offsets, buffer.numels, w, first)
     else:
-        _fold_op(buffer.data, checked, buffer.offsets, buffer.numels, w, first, name)
+        _fold_op(buffer.data, list(checked), buffer.offsets, buffer.numels, w, first, name)
 
 
 def fold_finish_(
@@ -558,7 +602,7 @@ def fold_finish_(
     if _eager(buffer.data):
         module = _backend_for(buffer.data, name)
         return module.fold_finish_(buffer.data, checked, buffer.offsets, buffer.numels, w, s, first)
-    return _fold_finish_op(buffer.data, checked, buffer.offsets, buffer.numels, w, s, first, name)
+    return _fold_finish_op(buffer.data, list(checked), buffer.offsets, buffer.numels, w, s, first, name)
 
 
 def sum_of_squares(buffer: FlatGradBuffer, *, per_segment: bool = False, backend: str = "auto") -> torch.Tensor:
@@ -569,6 +613,9 @@ def sum_of_squares(buffer: FlatGradBuffer, *, per_segment: bool = False, backend
         per_segment: one value per segment instead of the total.
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
+    _check_buffer(buffer)
+    if not isinstance(per_segment, bool):
+        raise TypeError(f"per_segment must be a bool, got {type(per_segment).__name__}")
     name = resolve_backend(backend, buffer.device)
     if _eager(buffer.data):
         return _backend_for(buffer.data, name).sum_of_squares(buffer.data, buffer.offsets, buffer.numels, per_segment)
@@ -597,8 +644,13 @@ def scale_(
             ``out[seg] = (acc[seg] * coef).to(out.dtype)``.
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
+    _check_buffer(buffer)
     c = _scalar(coef, "coef", buffer)
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.requires_grad:
+            raise ValueError("out must not require grad: the op writes into it outside autograd (pass out.detach())")
         if out.dim() != 1 or out.numel() != buffer.numel or out.device != buffer.device:
             raise ValueError(
                 f"out must be a flat tensor of {buffer.numel} elements on {buffer.device}, "

@@ -216,3 +216,76 @@ def test_a_lazily_negated_gradient_folds_its_values(backend):
     assert not checked[1].is_neg() and torch.equal(checked[1], -grads[1])
     ops.fold_(buffer, [grads[0], negated, grads[2]], 1.0, first=True, backend=backend)
     assert torch.equal(buffer.segment(1), -grads[1])
+
+
+def test_a_gradient_that_is_a_view_of_the_buffer_is_refused_and_changes_nothing(backend):
+    """The fold would read what it writes (a finished gradient handed out as p.grad, passed back as a new one):
+    every backend refuses it, naming it, before any segment is written."""
+    buffer = FlatGradBuffer([torch.zeros(4), torch.zeros(3)])
+    buffer.data.copy_(torch.arange(float(buffer.data.numel())))
+    before = buffer.data.clone()
+    for aliased in (buffer.view(1), buffer.data[2:5]):
+        with pytest.raises(ValueError, match=r"grads\[1\] shares memory with the buffer"):
+            ops.fold_(buffer, [torch.ones(4), aliased], 2.0, first=False, backend=backend)
+        assert torch.equal(buffer.data, before)
+    ops.fold_(buffer, [torch.ones(4), buffer.view(1).clone()], 2.0, first=False, backend=backend)  # a copy folds
+
+
+def test_the_registered_ops_refuse_lists_of_other_lengths(backend):
+    """torch.ops.gafused.* skip check_grads (what gafused.ops runs first), but a backend given a shorter gradient
+    list than the layout would read past its end (triton did, and wrote the segment)."""
+    acc = torch.zeros(8)
+    before = acc.clone()
+    with pytest.raises(ValueError, match="one entry per segment, got 1, 2 and 2"):
+        torch.ops.gafused.fold_(acc, [torch.ones(4)], [0, 4], [4, 4], torch.tensor(1.0), False, backend)
+    assert torch.equal(acc, before)
+
+
+def test_a_layout_of_no_segments_is_a_no_op_on_every_backend(backend):
+    acc = torch.zeros(0)
+    one = torch.tensor(1.0)
+    total, bad = torch.ops.gafused.fold_finish_(acc, [], [], [], one, one, False, backend)
+    assert total.item() == 0 and not bad.item()
+    torch.ops.gafused.scale_(acc, [], [], one, None, backend)
+
+
+@pytest.mark.parametrize(
+    "out, error, message",
+    [
+        (1.0, TypeError, "out must be a torch.Tensor or None, got float"),
+        (torch.zeros(7, requires_grad=True), ValueError, "out must not require grad"),
+    ],
+)
+def test_scale_refuses_an_out_that_is_no_tensor_or_requires_grad(backend, out, error, message):
+    buffer = FlatGradBuffer([torch.zeros(4), torch.zeros(3)])
+    with pytest.raises(error, match=message):
+        ops.scale_(buffer, 0.5, out=out, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda b: ops.fold_(b.data, [None, None], first=True), TypeError, "buffer must be a gafused.FlatGradBuffer"),
+        (lambda b: ops.sum_of_squares([b]), TypeError, "buffer must be a gafused.FlatGradBuffer, got list"),
+        (lambda b: ops.fold_(b, None, first=True), TypeError, "grads must be a list .* got NoneType"),
+        (lambda b: ops.check_grads(b, [torch.zeros(4), 1.0], names=["w"]), ValueError, "names must name every"),
+        (lambda b: ops.norm(b, per_segment="yes"), TypeError, "per_segment must be a bool, got str"),
+    ],
+)
+def test_bad_arguments_of_the_ops_are_named(call, error, message):
+    buffer = FlatGradBuffer([torch.zeros(4), torch.zeros(3)])
+    with pytest.raises(error, match=message):
+        call(buffer)
+
+
+@pytest.mark.parametrize(
+    "param, kwargs, message",
+    [
+        (torch.zeros(4, dtype=torch.float8_e4m3fn), {}, r"params\[0\] must be float16, bfloat16, float32 or float64"),
+        (torch.zeros(4).to_sparse(), {}, r"params\[0\] must be a dense \(strided\) tensor"),
+        (torch.zeros(4), {"alignment_bytes": 64.0}, "alignment_bytes must be a power of two >= 16, got 64.0"),
+    ],
+)
+def test_buffers_the_ops_could_not_fold_into_are_refused_at_construction(param, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FlatGradBuffer([param], **kwargs)

@@ -120,6 +120,36 @@ def test_compiled_step_compiles_once_and_matches_the_big_batch(compile_backend, 
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", ["reference", "foreach"])
+def test_the_ops_are_in_one_compiled_graph(name, backend):
+    """fullgraph=True: a break raises. The graph holds the custom ops themselves (once, neither was traced: a list
+    subclass and is_neg() broke the graph before them, and they ran eagerly), and computes what eager code does, a
+    lazily negated gradient included (not under AOTAutograd, whose functionalization of a custom op has no kernel
+    for the negative bit and raises)."""
+    torch._dynamo.reset()
+    targets: list[object] = []
+
+    def recording(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        targets.extend(node.target for node in graph.graph.nodes)
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
+    def window(buffer, first, second, weight):
+        ops.fold_(buffer, [first, second], weight, first=True, backend=name)
+        return ops.fold_finish_(buffer, [second, first.reshape(3, 2)], weight, 0.25, first=False, backend=name)
+
+    compiled = torch.compile(window, fullgraph=True, backend=recording)
+    second = torch.linspace(-1, 2, 6).reshape(3, 2)
+    grads = torch.arange(6.0), torch._neg_view(second) if backend == "eager" else second
+    eager_buffer, compiled_buffer = (FlatGradBuffer([torch.zeros(6), torch.zeros(3, 2)]) for _ in range(2))
+    expected = window(eager_buffer, *grads, torch.tensor(2.0))
+    got = compiled(compiled_buffer, *grads, torch.tensor(2.0))
+    assert torch.ops.gafused.fold_.default in targets and torch.ops.gafused.fold_finish_.default in targets
+    assert torch.equal(compiled_buffer.data, eager_buffer.data)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["reference", "foreach"])
 def test_ops_trace_without_a_break_when_their_backend_is_first_loaded_inside(monkeypatch, name):
     """The first call of a backend loads its module: inside a compiled function that must not break the graph."""

@@ -204,7 +204,10 @@ def test_layout_alignment_offsets_and_views():
         ({"alignment_bytes": 24}, "alignment_bytes"),
         ({"alignment_bytes": 8}, "alignment_bytes"),
         ({"bucket_bytes": 0}, "bucket_bytes"),
-        ({"params": [torch.empty(3), torch.empty(3, dtype=torch.int64)]}, r"params\[1\] must be floating point"),
+        (
+            {"params": [torch.empty(3), torch.empty(3, dtype=torch.int64)]},
+            r"params\[1\] must be float16, bfloat16, float32 or float64",
+        ),
         ({"params": [torch.empty(3), torch.empty(3, dtype=torch.float64)]}, r"narrower than params\[1\]'s dtype"),
         ({"params": [torch.empty(3), torch.empty(3, device="meta")]}, "share one device"),
     ],
