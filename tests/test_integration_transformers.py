@@ -127,9 +127,12 @@ def test_resume_from_a_checkpoint_is_bitwise(measured: dict) -> None:
 
 
 def test_sum_normalized_losses_need_the_global_token_count(saved: dict) -> None:
+    """Refused where Trainer counts num_items_in_batch on each rank alone (the model takes it); a loss Trainer counts
+    nothing for (a compute_loss of the user's, the model without loss kwargs) is the same on every rank: accepted."""
     for rank in saved["ranks"]:
         said = rank["misuse"]["average_tokens_across_devices=False"]
         assert "average_tokens_across_devices" in said, said
+        assert rank["misuse"]["average_tokens_across_devices=False, nothing counted"] == "no error"
 
 
 # --- in this process --------------------------------------------------------------------------------------------
@@ -243,6 +246,10 @@ class _Masked(torch.utils.data.Dataset):
         return self.items[index]
 
 
+def _stacked(items: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
 def _sgd_trainer(
     cls: type,
     module: torch.nn.Module,
@@ -250,10 +257,12 @@ def _sgd_trainer(
     data: torch.utils.data.Dataset,
     compiled: bool,
     compute_loss_func: Any = None,
+    data_collator: Any = None,
     **arguments: Any,
 ) -> transformers.Trainer:
     """A Trainer (or GafusedTrainer) over ``data``, with SGD at lr 1, no clipping, a constant rate: its one step is
-    the negative finished gradient; ``arguments`` override the TrainingArguments."""
+    the negative finished gradient; ``arguments`` override the TrainingArguments. The collator stacks the items'
+    tensors unless ``data_collator`` is given."""
     return cls(
         model=torch.compile(module, backend="eager") if compiled else module,
         args=cases._arguments(
@@ -265,7 +274,7 @@ def _sgd_trainer(
             **arguments,
         ),
         train_dataset=data,
-        data_collator=lambda items: {key: torch.stack([item[key] for item in items]) for key in items[0]},
+        data_collator=data_collator or _stacked,
         compute_loss_func=compute_loss_func,
     )
 
@@ -390,6 +399,173 @@ def test_a_causal_head_with_its_own_unshifted_loss_counts_every_label(tmp_path: 
     assert trainer.model_accepts_loss_kwargs is False and trainer._loss_shifts_labels is False
     labels = torch.tensor([[5, 6, -100, 7], [8, -100, -100, -100]])
     assert int(trainer.loss_items({"labels": labels})) == 4  # the first label counts: it is scored
+
+
+def _wav2vec2_ctc(reduction: str) -> transformers.Wav2Vec2ForCTC:
+    """A tiny Wav2Vec2ForCTC (no dropout, no time or feature masking: an exact forward) with ``ctc_loss_reduction``."""
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        conv_dim=(8, 8),
+        conv_kernel=(10, 3),
+        conv_stride=(5, 2),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        feat_extract_norm="layer",
+        mask_time_prob=0.0,
+        mask_feature_prob=0.0,
+        layerdrop=0.0,
+        hidden_dropout=0.0,
+        activation_dropout=0.0,
+        attention_dropout=0.0,
+        feat_proj_dropout=0.0,
+        final_dropout=0.0,
+        ctc_loss_reduction=reduction,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+class _Speech(torch.utils.data.Dataset):
+    """Five clips of 400 samples (39 frames) transcribed by 1 to 14 tokens: in batches of 2 (the last of 1), the
+    micro-batches' sequences (2, 2, 1) and label tokens differ."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.items = [
+            {
+                "input_values": torch.randn(400, generator=generator),
+                "labels": torch.randint(1, 12, (n,), generator=generator),
+            }
+            for n in (2, 14, 1, 9, 5)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+    @staticmethod
+    def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+        """The clips stacked, the transcripts right-padded with -100."""
+        labels = torch.nn.utils.rnn.pad_sequence([item["labels"] for item in items], True, -100)
+        return {"input_values": torch.stack([item["input_values"] for item in items]), "labels": labels}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ctc_losses_are_weighed_by_their_reduction(tmp_path: Path, reduction: str) -> None:
+    """Wav2Vec2ForCTC's loss (loss_type "ForCTC") takes no num_items_in_batch and follows ctc_loss_reduction: "mean"
+    averages each sequence's loss over its target length, then over the sequences, so a micro-batch's mean weighs
+    its sequences; "sum" is a plain sum, which summed over the window (Trainer's decision for the forward's
+    **kwargs) is the big batch's. Weighed by label tokens, either was off (1.7e-1 and 9e-1). One window of 2, 2 and
+    1 clips (SGD, lr 1, no clipping) must step by the float64 gradient of the CTC loss of all 5 clips at once."""
+    model = _wav2vec2_ctc(reduction)
+    data = _Speech()
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    batch = _Speech.collate(data.items)
+    truth(input_values=batch["input_values"].double(), labels=batch["labels"]).loss.backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+
+    trainer = _sgd_trainer(
+        GafusedTrainer,
+        model,
+        tmp_path,
+        data,
+        False,
+        data_collator=_Speech.collate,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+    )
+    trainer.train()
+    error = _step_error(model, start, grads)
+    assert error < 1e-5, error
+    assert trainer.state.global_step == 1 and trainer.model_accepts_loss_kwargs is (reduction == "sum")
+    assert trainer.accumulator.normalization == ("sum" if reduction == "sum" else "mean")
+
+
+def test_a_ctc_sum_weighed_as_a_mean_is_refused(tmp_path: Path) -> None:
+    """No weight makes a mean of sums their sum: ctc_loss_reduction="sum" with model_accepts_loss_kwargs False
+    (declared on the model, or set on the Trainer before train()) is refused, and the refused train() builds
+    nothing."""
+    model = _wav2vec2_ctc("sum")
+    model.accepts_loss_kwargs = False
+    with pytest.raises(ValueError, match=r"ctc_loss_reduction='sum'.*\(loss_items\)"):
+        _sgd_trainer(GafusedTrainer, model, tmp_path, _Speech(), False, data_collator=_Speech.collate)
+    del model.accepts_loss_kwargs
+    trainer = _sgd_trainer(GafusedTrainer, model, tmp_path, _Speech(), False, data_collator=_Speech.collate)
+    trainer.model_accepts_loss_kwargs = False
+    with pytest.raises(ValueError, match=r"ctc_loss_reduction='sum'.*model_accepts_loss_kwargs=True"):
+        trainer.train()
+    assert trainer.accumulator is None and trainer.state.global_step == 0
+
+
+class _Answers(torch.utils.data.Dataset):
+    """Five 12-token passages with answer spans; the fourth's start and end lie beyond the passage (position 12),
+    which transformers' question-answering loss ignores."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(2)
+        spans = [(1, 3), (4, 9), (0, 0), (12, 12), (7, 11)]
+        self.items = [
+            {
+                "input_ids": torch.randint(3, cases.VOCAB, (12,), generator=generator),
+                "start_positions": torch.tensor(start),
+                "end_positions": torch.tensor(end),
+            }
+            for start, end in spans
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_path: Path) -> None:
+    """BertForQuestionAnswering's batches carry start_positions and end_positions, no labels (GafusedTrainer once
+    refused them); its loss is the mean of a cross-entropy mean over the start positions and one over the end
+    positions, each without the positions beyond the passage. One window of 3 and 2 passages (SGD, lr 1, no
+    clipping), one of them unscored, must step by the float64 gradient of the loss of all 5 at once. A passage
+    with only one of its two positions scored has no exact weight: refused, naming loss_items."""
+    config = transformers.BertConfig(
+        vocab_size=cases.VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForQuestionAnswering(config)
+    data = _Answers()
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    truth(**{key: torch.stack([item[key] for item in data.items]) for key in data.items[0]}).loss.backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+
+    trainer = _sgd_trainer(
+        GafusedTrainer, model, tmp_path, data, False, per_device_train_batch_size=3, gradient_accumulation_steps=2
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.accumulator.normalization == "mean"
+    error = _step_error(model, start, grads)
+    assert error < 1e-5, error
+    half_scored = {
+        "input_ids": torch.ones(2, 12),
+        "start_positions": torch.tensor([2, 12]),
+        "end_positions": torch.tensor([3, 5]),
+    }
+    with pytest.raises(ValueError, match=r"start and end positions.*loss_items"):
+        trainer.loss_items(half_scored)
 
 
 class _TwoSequences(torch.utils.data.Dataset):
@@ -613,6 +789,68 @@ def test_arguments_changed_after_construction_are_the_ones_trained_with(tmp_path
     trainer.args.fp16 = True  # and a trial's refused setting is refused when training starts
     with pytest.raises(ValueError, match="fp16=True: GafusedTrainer does not support fp16"):
         trainer.train()
+
+
+def _recorder(trainer: transformers.Trainer, records: list) -> Any:
+    """A forward pre-hook that records each training micro-batch with its optimizer step (labels rebuilt from the
+    mask, as ``cases.collate`` builds them: Trainer pops them for a compute_loss_func)."""
+
+    def record(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if module.training:
+            ids, mask = kwargs["input_ids"].detach().clone(), kwargs["attention_mask"].detach().clone()
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+            records.append((trainer.state.global_step, batch))
+
+    return record
+
+
+@pytest.mark.parametrize("changed", ["model_accepts_loss_kwargs", "compute_loss_func"])
+def test_loss_settings_changed_after_construction_are_the_ones_trained_with(tmp_path: Path, changed: str) -> None:
+    """Trainer reads model_accepts_loss_kwargs and compute_loss_func at each step; set on a built GafusedTrainer,
+    they decide when training starts whether the accumulator sums or averages (it once failed at the first
+    micro-batch). model_accepts_loss_kwargs=False on a model that takes num_items_in_batch: each loss is a token
+    mean over its micro-batch, weighed by its tokens; a compute_loss_func (the token sum / num_items_in_batch) on
+    a model that takes no loss kwargs: summed. Both train on the float64 big batches' token mean."""
+    model = cases.make_model()
+    if changed == "model_accepts_loss_kwargs":
+        model.loss_type = "ForCausalLM"
+    else:
+        model.accepts_loss_kwargs = False
+    trainer = _trainer(tmp_path, model=model, max_steps=2)
+    if changed == "model_accepts_loss_kwargs":
+        trainer.model_accepts_loss_kwargs = False
+    else:
+        trainer.compute_loss_func = _causal_loss_func
+    records: list = []
+    model.register_forward_pre_hook(_recorder(trainer, records), with_kwargs=True)
+    trainer.train()
+    assert trainer.accumulator.normalization == ("mean" if changed == "model_accepts_loss_kwargs" else "sum")
+    reference = cases.truth(cases.windows_of([records]))
+    assert cases.error([p.detach() for p in model.parameters()], reference) <= FP32_ERROR
+
+
+def test_a_batch_size_retry_after_out_of_memory_drops_the_open_window(tmp_path: Path) -> None:
+    """auto_find_batch_size=True: an out-of-memory error in a window's second micro-batch (batch size 4) makes
+    Trainer start its loop again at batch size 3, dropping p.grad; the open window goes too (GafusedTrainer once
+    refused the retry, naming a previous train() call). The run equals the float64 big batches of the windows
+    trained after the retry."""
+    model = cases.make_model()
+    trainer = _trainer(tmp_path, model=model, auto_find_batch_size=True, per_device_train_batch_size=4)
+    records: list = []
+    record = _recorder(trainer, records)
+
+    def out_of_memory(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if module.training and kwargs["input_ids"].shape[0] == 4 and len(records) == 1:
+            records.clear()  # the retried loop starts from the first window
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        record(module, args, kwargs)
+
+    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    trainer.train()
+    windows = cases.windows_of([records])
+    assert trainer._train_batch_size == 3 and [len(window) for window in windows] == [4, 4]
+    reference = cases.truth(windows)
+    assert cases.error([p.detach() for p in model.parameters()], reference) <= FP32_ERROR
 
 
 def test_a_plain_trainer_checkpoint_resumes_in_gafused_trainer(tmp_path: Path) -> None:

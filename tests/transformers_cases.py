@@ -103,9 +103,13 @@ def window_loss(
     window's micro-batches at once: the big batch. For the losses a ``compute_loss`` of the user's declares scaled
     for GA (``user_loss``), what plain Trainer + DDP computes: the sum of every rank's micro-batch losses, divided by
     the world size (DDP averages the ranks; nothing multiplies these losses by it): "scaled", each micro-batch's
-    token mean / ``GA``; "scaled_counted", its token sum / the window's tokens, i.e. the big batch's token mean."""
+    token mean / ``GA``; "scaled_current", its token mean / its rank's micro-batch count in the window (the partial
+    window's own), i.e. the mean of the window's token means; "scaled_counted", its token sum / the window's
+    tokens, i.e. the big batch's token mean."""
     if loss == "scaled":
         return sum(token_mean_loss(model, batch) for batch in window) / (GA * world)
+    if loss == "scaled_current":
+        return sum(token_mean_loss(model, batch) for batch in window) / len(window)  # every rank's micro-batches
     big_batch = token_mean_loss(model, pad_cat(window))
     return big_batch / world if loss == "scaled_counted" else big_batch
 
@@ -167,15 +171,17 @@ def user_loss(base: type, loss: str) -> type:
     ``loss_is_scaled_for_ga``; Trainer's own ``compute_loss`` (its multiplication by the world size) does not run.
 
     "scaled": ``True``, each micro-batch's token mean / ``gradient_accumulation_steps``, on a model that takes no
-    loss kwargs (no ``num_items_in_batch``). "scaled_counted": ``True``, the token sum / ``num_items_in_batch`` (the
-    window's tokens over every rank). "unscaled_counted": ``False``, the token mean, with a ``num_items_in_batch``
-    it leaves unused (Trainer divides the loss by the window's micro-batch count)."""
+    loss kwargs (no ``num_items_in_batch``). "scaled_current": the token mean / Trainer's
+    ``current_gradient_accumulation_steps`` (the window's micro-batch count, fewer in the partial window).
+    "scaled_counted": ``True``, the token sum / ``num_items_in_batch`` (the window's tokens over every rank).
+    "unscaled_counted": ``False``, the token mean, with a ``num_items_in_batch`` it leaves unused (Trainer divides
+    the loss by the window's micro-batch count)."""
 
     class UserLoss(base):
         loss_is_scaled_for_ga = loss != "unscaled_counted"
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if (num_items_in_batch is None) != (loss == "scaled"):
+            if (num_items_in_batch is None) != (loss in ("scaled", "scaled_current")):
                 raise RuntimeError(f"{loss}: compute_loss got num_items_in_batch={num_items_in_batch}")
             outputs = model(**inputs)
             if loss == "scaled_counted":
@@ -184,6 +190,8 @@ def user_loss(base: type, loss: str) -> type:
                 value = causal_lm_loss(outputs.logits, inputs["labels"])
                 if loss == "scaled":
                     value = value / self.args.gradient_accumulation_steps
+                elif loss == "scaled_current":
+                    value = value / self.current_gradient_accumulation_steps
             return (value, outputs) if return_outputs else value
 
     return UserLoss
@@ -197,7 +205,7 @@ def run_case(
     ``trainer``: "own" (``transformers.Trainer``) or "gafused" (``GafusedTrainer``). ``loss``: "num_items", the
     model takes ``num_items_in_batch`` (Trainer normalizes each loss over the window); "declared", the same with
     ``model.loss_type = "ForCausalLM"`` declared (Trainer then counts the items after the shift); "mean", the model
-    declares ``accepts_loss_kwargs = False`` (each loss is a mean over its micro-batch); "scaled",
+    declares ``accepts_loss_kwargs = False`` (each loss is a mean over its micro-batch); "scaled", "scaled_current",
     "scaled_counted", "unscaled_counted": a ``compute_loss`` of the user's (``user_loss``). ``resume``: train with a
     checkpoint every ``SAVE_AT`` windows, then train again from the first checkpoint in a new Trainer.
     ``folder``: Trainer's output_dir, the same on every rank (rank 0 writes the checkpoints every rank loads).
@@ -207,13 +215,13 @@ def run_case(
     from gafused.integrations.transformers import GafusedTrainer
 
     cls = GafusedTrainer if trainer == "gafused" else transformers.Trainer
-    if loss in ("scaled", "scaled_counted", "unscaled_counted"):
+    if loss in ("scaled", "scaled_current", "scaled_counted", "unscaled_counted"):
         cls = user_loss(cls, loss)
     records: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def build(output_dir: str, **overrides: Any):
         model = make_model()
-        if loss in ("mean", "scaled"):
+        if loss in ("mean", "scaled", "scaled_current"):
             model.accepts_loss_kwargs = False
         elif loss in ("declared", "scaled_counted", "unscaled_counted"):
             model.loss_type = "ForCausalLM"  # Trainer and GafusedTrainer count num_items_in_batch after the shift
@@ -282,6 +290,16 @@ SCALED = "GafusedTrainer, compute_loss scaled for GA, no num_items_in_batch"
 SCALED_CASES: dict[str, dict[str, Any]] = {
     "Trainer, compute_loss scaled for GA, no num_items_in_batch": {"trainer": "own", "loss": "scaled"},
     SCALED: {"trainer": "gafused", "loss": "scaled"},
+    # Divided by Trainer's current_gradient_accumulation_steps, which GafusedTrainer once reported as 1 to every
+    # compute_loss (a gradient up to GA times too large).
+    "Trainer, compute_loss scaled for GA by current_gradient_accumulation_steps": {
+        "trainer": "own",
+        "loss": "scaled_current",
+    },
+    "GafusedTrainer, compute_loss scaled for GA by current_gradient_accumulation_steps": {
+        "trainer": "gafused",
+        "loss": "scaled_current",
+    },
     "Trainer, compute_loss scaled for GA by num_items_in_batch": {"trainer": "own", "loss": "scaled_counted"},
     "GafusedTrainer, compute_loss scaled for GA by num_items_in_batch": {
         "trainer": "gafused",
@@ -312,20 +330,31 @@ def run_all(folder: str) -> dict[str, Any]:
 
 
 def _misuse(folder: str) -> dict[str, str]:
-    """What GafusedTrainer says to configurations it refuses across ranks, as (case -> message or 'no error')."""
+    """What GafusedTrainer says to configurations it refuses across ranks, as (case -> message or 'no error').
+
+    "average_tokens_across_devices=False": the model takes num_items_in_batch, which Trainer would count per rank.
+    "..., nothing counted": a compute_loss of the user's (``user_loss``, "scaled") on a model that takes no loss
+    kwargs: Trainer counts no items, so the argument changes nothing and is accepted."""
     from gafused.integrations.transformers import GafusedTrainer
 
     said = {}
-    try:
-        GafusedTrainer(
-            model=make_model(),
-            args=_arguments(os.path.join(folder, "misuse"), average_tokens_across_devices=False),
-            train_dataset=Sequences(),
-            data_collator=collate,
-        )
-        said["average_tokens_across_devices=False"] = "no error"
-    except ValueError as error:
-        said["average_tokens_across_devices=False"] = str(error)
+    for case, cls, accepts in (
+        ("average_tokens_across_devices=False", GafusedTrainer, None),
+        ("average_tokens_across_devices=False, nothing counted", user_loss(GafusedTrainer, "scaled"), False),
+    ):
+        model = make_model()
+        if accepts is not None:
+            model.accepts_loss_kwargs = accepts
+        try:
+            cls(
+                model=model,
+                args=_arguments(os.path.join(folder, "misuse"), average_tokens_across_devices=False),
+                train_dataset=Sequences(),
+                data_collator=collate,
+            )
+            said[case] = "no error"
+        except ValueError as error:
+            said[case] = str(error)
     return said
 
 
@@ -387,7 +416,7 @@ def _cached_truth(
 ) -> dict[str, Any]:
     """``truth()``, computed once per distinct sequence of windows and loss (the cases see the same data in the same
     order)."""
-    if loss not in ("scaled", "scaled_counted"):
+    if loss not in ("scaled", "scaled_current", "scaled_counted"):
         loss, world = "num_items", 1  # the token-weighted big batch, whatever the world size
     labels = tuple(tuple(tuple(batch["labels"].reshape(-1).tolist()) for batch in window) for window in windows)
     key = (dtype, loss, world, labels)

@@ -24,18 +24,27 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   sums (``normalization="sum"``) with the weight 1 / world size: Trainer's DDP averages the ranks, gafused sums
   them (Trainer's multiplication by the world size, when it applies, is part of the loss in both). Otherwise each
   loss is a mean over its own micro-batch: ``normalization="mean"`` with the micro-batch's loss items
-  (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count is not applied to the
-  backward (the returned, logged loss keeps it).
+  (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count
+  (``current_gradient_accumulation_steps``, fewer in a partial window) is undone for the backward (the returned,
+  logged loss keeps it). Which of the two is decided when training starts, from ``model_accepts_loss_kwargs``,
+  ``compute_loss_func`` and ``loss_is_scaled_for_ga`` as they are then.
 - Heads whose loss ignores ``num_items_in_batch``: Trainer takes a model whose ``forward`` accepts ``**kwargs`` to
   normalize its loss over the window, but transformers' losses for sequence, token, image, audio and video
-  classification, question answering, detection and CTC (``LOSS_MAPPING`` entries without that argument) stay means
+  classification, question answering and detection (``LOSS_MAPPING`` entries without that argument) stay means
   over the micro-batch, and so do the losses heads compute themselves (BertForMaskedLM's ``CrossEntropyLoss()``,
   T5's, Bart's, Whisper's: the forward never calls ``self.loss_function``, whatever its ``loss_type``). For such a
   model (no ``accepts_loss_kwargs`` declared; the forward is read from its source, ``_forward_loss``) GafusedTrainer
   sets ``model_accepts_loss_kwargs = False``, so its losses are weighed as the per-micro-batch means they are; plain
   Trainer sums them (``gradient_accumulation_steps`` times too large). A loss the head computes itself is counted
   over the labels its forward keeps (after the shift only if the forward slices ``labels`` from 1), whatever its
-  ``loss_type`` says. The model read is the one under ``torch.compile``'s and PEFT's wrappers.
+  ``loss_type`` says. The model read is the one under ``torch.compile``'s and PEFT's wrappers. A question-answering
+  loss (a batch of ``start_positions`` and ``end_positions``) is the mean of two means over the sequences: its
+  items are the sequences whose positions lie inside them (the loss ignores a position beyond the sequence).
+- CTC heads (``loss_type="ForCTC"``, Wav2Vec2ForCTC): the loss follows ``config.ctc_loss_reduction``. "mean"
+  averages each sequence's loss over its target length, then over the sequences: weighed as a mean whose items
+  are the sequences. "sum" is a plain sum over the sequences, which summing over the window makes the big batch's:
+  Trainer's decision (``model_accepts_loss_kwargs``, from the forward's ``**kwargs``) stands and the accumulator
+  sums; weighed as a per-micro-batch mean it is refused (no weight makes a mean of sums a sum).
 - Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
@@ -150,29 +159,25 @@ class GafusedTrainer(transformers.Trainer):
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
         self._check_supported()
-        # Who computes the training loss decides what it averages over (see module docstring): Trainer's
-        # compute_loss_func or its LabelSmoother (both pop the labels before the forward), else the model.
-        # The model whose forward computes the loss: torch.compile's and PEFT's wrappers removed.
+        # What the model's own loss averages over, read once from the model under torch.compile's and PEFT's wrappers
+        # (module docstring); who computes the training loss is decided again when training starts (_decide_loss).
         inspected = unwrap_peft_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
-        self._smoothed = self.compute_loss_func is None and self.label_smoother is not None
-        if self._smoothed:
-            self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, self.model)
-        elif self.compute_loss_func is not None:
-            # A compute_loss_func scores the labels it is given; over a causal LM's labels (copies of the inputs) it
-            # shifts them, so its items are counted after the shift: Trainer's count for loss_type="ForCausalLM",
-            # and also for causal LMs that leave loss_type unset (GPT2LMHeadModel).
-            self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
-        else:
-            self._count_like_the_model(inspected)
-        self._sums = self._loss_normalized_over_window()
-        if self._sums and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
-            raise ValueError(
-                "average_tokens_across_devices=False: each rank would normalize its loss by its own item count, "
-                "which no accumulation can turn into the big batch's; keep TrainingArguments' default "
-                "average_tokens_across_devices=True"
-            )
+        self._trainer_shifts_labels = self._loss_shifts_labels  # Trainer's rule: loss_type="ForCausalLM"
+        self._causal_lm = _computes_causal_lm_loss(inspected)
+        self._own_shifts_labels = _own_loss_shifts_labels(type(inspected).forward)
+        self._ctc_reduction = _ctc_reduction(inspected)
+        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
+        # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
+        # the means. Its loss is what it is, so it is weighed as one (unless Trainer computes the loss itself).
+        if (
+            self.compute_loss_func is None
+            and self.label_smoother is None
+            and self.model_accepts_loss_kwargs
+            and _loss_ignores_item_count(inspected)
+        ):
+            self.model_accepts_loss_kwargs = False
+        self._decide_loss(self.model)
         self.accumulator: GradAccumulator | None = None
-        self._window_micro_batches = 1
         self._norm: torch.Tensor | None = None
         self.add_callback(_AfterOptimizerStep(self))
 
@@ -188,20 +193,39 @@ class GafusedTrainer(transformers.Trainer):
         if self.get_tp_size() > 1 or self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise ValueError("parallelism_config: GafusedTrainer supports data parallelism (DDP) only")
 
-    def _count_like_the_model(self, inspected: torch.nn.Module) -> None:
-        """The model's own loss is the training loss: whether it takes ``num_items_in_batch`` and whether it drops
-        each sequence's first label are read from ``inspected``, the model under its wrappers (module docstring)."""
-        # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
-        # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
-        # the means. Its loss is what it is, so it is weighed as one.
-        if self.model_accepts_loss_kwargs and _loss_ignores_item_count(inspected):
-            self.model_accepts_loss_kwargs = False
-        # Count a causal LM's loss items after the shift whenever its loss shifts the labels.
-        own = _own_loss_shifts_labels(type(inspected).forward)
-        if own is not None:
-            self._loss_shifts_labels = own
+    def _decide_loss(self, model: torch.nn.Module) -> None:
+        """Who computes the training loss, with the Trainer configured as it is now (``model_accepts_loss_kwargs`` and
+        ``compute_loss_func`` may be set after construction, as Trainer reads them at each step): what a
+        micro-batch's items are, and whether the accumulator sums the losses or averages them (module docstring).
+        ``model``: the one ``compute_loss`` gets. Refused configurations change nothing."""
+        smoothed = self.compute_loss_func is None and self.label_smoother is not None
+        sums = self._loss_normalized_over_window()
+        if not smoothed and self.compute_loss_func is None and self._ctc_reduction == "sum" and not sums:
+            raise ValueError(
+                "ctc_loss_reduction='sum': the CTC loss is a sum over the micro-batch's sequences, which "
+                "GafusedTrainer would weigh as a per-micro-batch mean (model_accepts_loss_kwargs is False), and no "
+                "weight (loss_items) makes a mean of sums their sum; keep model_accepts_loss_kwargs=True (Trainer's "
+                "decision for the model's forward) so the window sums them, or use ctc_loss_reduction='mean'"
+            )
+        # Trainer counts num_items_in_batch for these two only; a loss of the user's it does not count for is
+        # normalized the same on every rank, whatever average_tokens_across_devices says.
+        counted = bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+        if sums and counted and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "average_tokens_across_devices=False: each rank would normalize its loss by its own item count "
+                "(num_items_in_batch), which no accumulation can turn into the big batch's; keep TrainingArguments' "
+                "default average_tokens_across_devices=True"
+            )
+        self._smoothed, self._sums = smoothed, sums
+        if smoothed:
+            self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, model)
+        elif self.compute_loss_func is None and self._own_shifts_labels is not None:
+            self._loss_shifts_labels = self._own_shifts_labels  # the head's own loss: the labels its forward keeps
         else:
-            self._loss_shifts_labels = self._loss_shifts_labels or _computes_causal_lm_loss(inspected)
+            # transformers' loss function, or a compute_loss_func: over a causal LM's labels (copies of the inputs)
+            # such a loss shifts them, so its items are counted after the shift (Trainer's count for
+            # loss_type="ForCausalLM", and also for causal LMs that leave loss_type unset: GPT2LMHeadModel).
+            self._loss_shifts_labels = self._trainer_shifts_labels or self._causal_lm
 
     def _loss_normalized_over_window(self) -> bool:
         """Whether Trainer normalizes each micro-batch's loss over the window (its rule in ``training_step``)."""
@@ -209,21 +233,12 @@ class GafusedTrainer(transformers.Trainer):
             return bool(self.loss_is_scaled_for_ga)
         return bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
 
-    @property
-    def current_gradient_accumulation_steps(self) -> int:
-        # Trainer divides a per-micro-batch mean loss by this before its backward; the accumulator takes the
-        # undivided loss and weighs it by its items instead (training_step divides the returned loss for logging).
-        return 1
-
-    @current_gradient_accumulation_steps.setter
-    def current_gradient_accumulation_steps(self, value: int) -> None:
-        self._window_micro_batches = value
-
     # --- the accumulator --------------------------------------------------------------------------------
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None):
         # Trainer wraps the model (DDP) and prepares the optimizer here, then loads the checkpoint's optimizer state.
         # The accumulator needs the wrapped model, so it is built in between and the checkpoint loaded into it.
+        self._decide_loss(self.model)  # refused before Trainer wraps anything
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         if self._smoothed:  # the model compute_loss gets, compiled here when args.torch_compile
             self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, model)
@@ -244,11 +259,10 @@ class GafusedTrainer(transformers.Trainer):
         if self.accelerator.scaler is not None:
             raise ValueError("mixed_precision: GafusedTrainer does not support fp16 loss scaling; use bf16")
         inner = accelerated.optimizer
-        if isinstance(inner, GradAccumulator):  # a second train() call: build anew around the wrapped model
-            if inner.micro_step:
-                raise RuntimeError(
-                    f"train(): the last window of the previous train() call is open ({inner.micro_step} micro-batches)"
-                )
+        if isinstance(inner, GradAccumulator):  # Trainer's loop starts again: build anew around the wrapped model
+            # A loop that stopped mid-window (auto_find_batch_size retrying after an out-of-memory error, an
+            # interrupted train()) leaves its window open; Trainer drops its p.grad as the loop starts, so it goes.
+            inner._discard_window()
             inner = inner.optimizer
         # TrainingArguments as they are now: hyperparameter_search sets a trial's fields after construction.
         _check_arguments(self.args)
@@ -287,14 +301,22 @@ class GafusedTrainer(transformers.Trainer):
         The labels that are not -100 (``shift_labels`` when the batch has them; for causal LMs, ``labels[..., 1:]``:
         the first label of each sequence is never predicted). With ``label_smoothing_factor``, Trainer's
         LabelSmoother scores ``labels``, after the shift when the model's class is a causal LM of transformers'
-        auto mapping. Override it for losses that average over something else.
+        auto mapping. A CTC head with ``ctc_loss_reduction="mean"`` averages over the sequences (``labels``' rows);
+        a question-answering batch (``start_positions``, ``end_positions``, no labels) over the sequences whose
+        positions lie inside them. Override it for losses that average over something else.
         """
         if self._smoothed and "labels" in inputs:
             labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
+        elif self._ctc_reduction == "mean" and self.compute_loss_func is None and "labels" in inputs:
+            # Each sequence's CTC loss over its target length, then the mean over the sequences.
+            sequences = _tensor(inputs, "labels").shape[0]
+            return torch.tensor(sequences, device=inputs["labels"].device)
         elif "shift_labels" in inputs:
             labels = inputs["shift_labels"]
         elif "labels" in inputs:
             labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
+        elif "start_positions" in inputs and "end_positions" in inputs:
+            return _answer_items(inputs)
         else:
             raise ValueError(
                 "inputs: the micro-batch has no 'labels', so its loss items (the weight of its mean loss) are "
@@ -338,6 +360,10 @@ class GafusedTrainer(transformers.Trainer):
             if kwargs:
                 raise RuntimeError(f"accelerator.backward() got options GafusedTrainer cannot honor: {sorted(kwargs)}")
             called.append(True)
+            if not self._sums:
+                # Trainer divided this per-micro-batch mean by the window's micro-batch count (the partial window's
+                # own); the accumulator weighs the undivided mean by its items. The returned, logged loss keeps it.
+                loss = loss * self.current_gradient_accumulation_steps
             accumulator.backward(loss, weight=weight, end_window=last)
 
         with _routed_backward(self.accelerator, backward):
@@ -346,8 +372,6 @@ class GafusedTrainer(transformers.Trainer):
             raise RuntimeError("training_step(): Trainer ran no accelerator.backward for this micro-batch")
         if not last:
             accumulator.step()  # the window's last micro-batch is ended by Trainer's optimizer.step()
-        if not self._sums:
-            loss = loss / self._window_micro_batches  # what Trainer logs: the window's mean of micro-batch means
         return loss
 
     # --- clipping and the logged norm -------------------------------------------------------------------
@@ -405,9 +429,15 @@ def _loss_ignores_item_count(model: torch.nn.Module) -> bool:
     ``CrossEntropyLoss()`` over its masked tokens, T5's, Bart's); transformers' loss function for its ``loss_type``
     sees it when that loss takes ``num_items_in_batch`` (or when the loss function was replaced: it says for itself).
     A forward that names the count, hands ``labels`` on together with ``**kwargs``, or cannot be read keeps
-    Trainer's decision unless its ``loss_type`` names a loss without the count."""
+    Trainer's decision unless its ``loss_type`` names a loss without the count. A CTC head's loss is a mean unless
+    its ``ctc_loss_reduction`` is "sum"."""
     if hasattr(model, "accepts_loss_kwargs"):
         return False
+    reduction = _ctc_reduction(model)
+    if reduction is not None:
+        # CTC's "sum" is a plain sum over the sequences: summed over the window, as Trainer does, it is the big
+        # batch's. Its "mean" is one over the micro-batch's sequences.
+        return reduction != "sum"
     how = _forward_loss(type(model).forward)
     if how == "own":
         return True
@@ -415,6 +445,46 @@ def _loss_ignores_item_count(model: torch.nn.Module) -> bool:
         return False
     loss = LOSS_MAPPING.get(getattr(model, "loss_type", None))
     return loss is not None and "num_items_in_batch" not in inspect.signature(loss).parameters
+
+
+def _ctc_reduction(model: torch.nn.Module) -> str | None:
+    """``config.ctc_loss_reduction`` of a CTC head whose loss is transformers' (``loss_type="ForCTC"``, or a class
+    named ``...ForCTC``: Wav2Vec2ForCTC, HubertForCTC, ...); None for any other model or a replaced loss function."""
+    if getattr(model, "loss_type", None) != "ForCTC" and not type(model).__name__.endswith("ForCTC"):
+        return None
+    if hasattr(model, "_loss_function"):  # a loss function of the user's says for itself
+        return None
+    return getattr(getattr(model, "config", None), "ctc_loss_reduction", None)
+
+
+def _tensor(inputs: Mapping[str, Any], key: str) -> torch.Tensor:
+    value = inputs[key]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"inputs[{key!r}] must be a tensor to count loss items, got {type(value).__name__}")
+    return value
+
+
+def _answer_items(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The items of transformers' question-answering loss: the mean of a cross-entropy mean over the sequences'
+    start positions and one over their end positions, each without the positions beyond the sequence (ignored)."""
+    start = _tensor(inputs, "start_positions").reshape(-1)
+    end = _tensor(inputs, "end_positions").reshape(-1)
+    tokens = next((inputs[key] for key in ("input_ids", "attention_mask") if key in inputs), None)
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError(
+            "inputs: a question-answering micro-batch without 'input_ids' or 'attention_mask' does not tell which "
+            "positions its loss ignores (those beyond the sequence); override GafusedTrainer.loss_items(inputs) to "
+            "count its items"
+        )
+    start_scored, end_scored = start < tokens.shape[-1], end < tokens.shape[-1]
+    if bool((start_scored != end_scored).any()):
+        raise ValueError(
+            "inputs: a sequence has one of its start and end positions beyond the sequence, which the "
+            "question-answering loss ignores, and the other inside it: its two means then average over different "
+            "sequences and no weight (loss_items) makes the window's loss exact; point unanswerable questions at "
+            "the CLS token (position 0) for both, or override GafusedTrainer.loss_items(inputs)"
+        )
+    return start_scored.sum()
 
 
 def _forward_loss(forward: Any) -> str:
