@@ -29,6 +29,7 @@ recompile for, every micro-step).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -778,6 +779,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._check_window_end()
             else:
                 self._check_ready_to_reduce(micro, grads)
+        if micro is None and self.micro_step == 0:
+            self._start_window()  # may refuse (a grad scaler without a scale yet): before anything changes
         try:
             if micro is not None:
                 self._fold_held_buckets(grads)
@@ -798,12 +801,26 @@ class GradAccumulator(torch.optim.Optimizer):
         self.micro_step += 1
         self.stepped = False
         if last:
-            if self._global:
-                self._finish_across_ranks(self._reduced_window_sums(self.micro_step))
-            elif late:
-                self._finish(self._finishing_pass())
-            else:
-                self._finish(results)
+            with self._ending_window():
+                if self._global:
+                    self._finish_across_ranks(self._reduced_window_sums(self.micro_step))
+                elif late:
+                    self._finish(self._finishing_pass())
+                else:
+                    self._finish(results)
+
+    @contextlib.contextmanager
+    def _ending_window(self) -> Iterator[None]:
+        """Around a window's end: if it raises before the window was finished or discarded (an interrupt at its
+        host sync, a failed collective), the window is discarded. Kept, it would sit past its last micro-batch
+        (a counted window would never end again) with its buffers perhaps scaled already."""
+        try:
+            yield
+        except BaseException as error:
+            if self.micro_step > 0:
+                self._discard_window()
+                _add_note(error, "gafused: the window's end failed; the open accumulation window was discarded")
+            raise
 
     @torch._disable_dynamo
     def flush(self) -> bool:
@@ -853,14 +870,16 @@ class GradAccumulator(torch.optim.Optimizer):
             if count == 0:
                 self.stepped = False
                 return False
-            self._finish_across_ranks(sums)
+            with self._ending_window():
+                self._finish_across_ranks(sums)
             return self.stepped
         if refusal is not None:
             raise refusal
         if self.micro_step == 0:
             self.stepped = False
             return False
-        self._finish(self._finishing_pass())
+        with self._ending_window():
+            self._finish(self._finishing_pass())
         return self.stepped
 
     def _finishing_pass(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -1058,9 +1077,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self, grads: list[list[torch.Tensor | None]], w: torch.Tensor, bad: torch.Tensor | None, last: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The loss.backward() loop: fold every buffer at once (one launch per buffer) and release the gradients."""
-        first = self.micro_step == 0
-        if first:
-            self._start_window()
+        first = self.micro_step == 0  # (the window was started by the caller)
         weight_sum = w if first else self._weight_sum + w
         fold_weight, bad = self._fold_weight(w, bad)
         self._record_bad_weight(bad)
@@ -1757,7 +1774,9 @@ class GradAccumulator(torch.optim.Optimizer):
             buffer = group.buffer
             for param_index, start in enumerate(_running_starts(buffer.numels)):
                 saved = segments[start : start + buffer.numels[param_index]]
-                if window["version"] == 2:  # the buffer's memory order, the same as this one's (checked)
+                # Version 2: the buffer's memory order, which it does not record: taken to be this buffer's (a
+                # checkpoint of that version resumes in the memory format it was saved in).
+                if window["version"] == 2:
                     buffer.segment(param_index).copy_(saved)
                 else:
                     buffer.view(param_index).copy_(saved.view(buffer.shapes[param_index]))
@@ -1889,9 +1908,12 @@ class GradAccumulator(torch.optim.Optimizer):
             )
         saved = window.get("buffers")
         if not isinstance(saved, list) or not all(
-            isinstance(entry, dict) and isinstance(entry.get("numels"), list) for entry in saved
+            isinstance(entry, dict)
+            and isinstance(entry.get("numels"), list)
+            and all(type(numel) is int for numel in entry["numels"])
+            for entry in saved
         ):
-            raise ValueError("state_dict['gafused']['buffers']: expected a list of dicts with 'numels'")
+            raise ValueError("state_dict['gafused']['buffers']: expected a list of dicts with 'numels' (lists of ints)")
         if not open_window:
             # No window to restore: parameters may have moved between buffers since (a layer cast to another
             # dtype), but a checkpoint of parameters of other sizes is another model's.

@@ -7,6 +7,7 @@ import copy
 import gc
 import io
 import math
+import sys
 import weakref
 
 import numpy as np
@@ -188,6 +189,57 @@ def test_an_interrupt_as_a_fold_returns_discards_the_window(backend, loop, monke
     assert opt.micro_step == 0 and opt._micro is None
     assert all(p.grad is None for p in model.parameters())
     _one_window_matches_the_truth(opt, model, reference, batches[2:])
+
+
+@pytest.mark.parametrize("end", ["counted", "flush"])
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_an_interrupt_at_the_windows_host_sync_discards_the_window(backend, loop, end, monkeypatch):
+    """Ctrl-C lands where the host waits: the window's one sync. Kept, the window sat past its last micro-batch (a
+    counted one never ended again, with no error) and its buffers were scaled already."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3 if end == "counted" else None, backend=backend)
+    batches = _batches(6)
+    tolist = torch.Tensor.tolist
+
+    def interrupted(tensor):
+        values = tolist(tensor)
+        if sys._getframe(1).f_code.co_name == "_finish":
+            raise KeyboardInterrupt
+        return values
+
+    for x in batches[:2]:
+        micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
+    monkeypatch.setattr(torch.Tensor, "tolist", interrupted)
+    with pytest.raises(KeyboardInterrupt) as raised:  # the window's third micro-batch, or a flush after it
+        micro_batch(opt, _loss(model, batches[2]), loop, weight=2)
+        if end == "flush":
+            opt.flush()
+    monkeypatch.undo()
+    assert "window was discarded" in "".join(raised.value.__notes__)
+    assert opt.micro_step == 0 and not opt.stepped
+    assert all(p.grad is None for p in model.parameters())
+    for x in batches[3:]:
+        micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
+    if end == "flush":
+        assert opt.flush()
+    assert opt.stepped
+    _truth(reference, [batches[3:]])
+    _assert_same(model, reference)
+
+
+def test_a_step_refused_at_a_windows_start_keeps_the_gradients():
+    """A GradScaler with no scale yet (the loss was not scaled) is refused when the window starts, before anything
+    changes: the gradients stay, and no note says a window was discarded."""
+    model = _model()
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=torch.amp.GradScaler("cpu", init_scale=4.0)
+    )
+    _loss(model, _batches(1)[0]).backward()
+    grads = [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="grad_scaler has no scale yet") as raised:
+        opt.step()
+    assert not getattr(raised.value, "__notes__", [])
+    assert [p.grad for p in model.parameters()] == grads and opt.micro_step == 0
 
 
 def test_zero_grad_after_a_windows_first_backward_drops_that_batch(backend):
