@@ -127,6 +127,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--accumulation-steps must be >= 3 (a first, a middle and a last micro-batch), got {steps}")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.kernels_only and args.no_kernels:
+        parser.error("--kernels-only with --no-kernels leaves nothing to run")
     if args.compile_max_tensors is not None and args.compile_max_tensors < 0:
         parser.error(f"--compile-max-tensors must be >= 0 (0 compiles no set), got {args.compile_max_tensors}")
     return args
@@ -552,7 +554,7 @@ def _save(results: dict, stem: Path) -> list[Path]:
 
 
 def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progress, results: dict, where: dict,
-               save: Callable[[], object], selection: tuple) -> None:  # fmt: skip
+               save: Callable[[], object], selection: tuple | None) -> None:  # fmt: skip
     """Every part the arguments ask for, each result stored in ``results`` as it comes and saved after each part;
     ``selection``: the micro-benchmark's, from ``_selection``."""
     if not args.kernels_only:
@@ -595,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = _mode(args)
     # Refused before anything runs or is written, not after minutes of measuring.
     device = _selected_device(args)
-    selection = _selection(args, device, mode)
+    selection = None if args.kernels_only else _selection(args, device, mode)  # (the sweep takes none of them)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     device_label = _device_name(device)

@@ -519,9 +519,10 @@ _UNTIMED_ON_CPU = [name for name in providers.PROVIDERS if name not in providers
         (["--threads", "0"], "--threads must be >= 1"),
         (["--compile-max-tensors", "-1"], "--compile-max-tensors must be >= 0"),
         (["--table", "MISSING"], "is not a file"),
+        (["--kernels-only", "--no-kernels"], "--kernels-only with --no-kernels leaves nothing to run"),
     ],
     ids=["dtype", "empty-dtype", "unknown-set", "set-of-another-mode", "no-provider-runs", "empty-provider",
-         "device", "threads", "compile-max-tensors", "missing-table"],
+         "device", "threads", "compile-max-tensors", "missing-table", "nothing-to-run"],
 )  # fmt: skip
 def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     monkeypatch, tmp_path, capsys, argv, message
@@ -1354,3 +1355,19 @@ def test_a_sigterm_that_fired_stays_ignored_after_its_block(monkeypatch):
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_kernel_sweep_alone_takes_no_micro_benchmark_options(monkeypatch, tmp_path) -> None:
+    """--kernels-only runs no micro-benchmark: a provider that cannot run here is not its concern."""
+    import run
+
+    reached = []
+
+    def parts(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - stands in for _run_parts
+        reached.append(args[-1])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "_run_parts", parts)
+    argv = ["--quick", "--no-progress", "--device", "cpu", "--out", str(tmp_path / "out"), "--no-plots"]
+    run.main([*argv, "--kernels-only", "--providers", ",".join(_UNTIMED_ON_CPU)])
+    assert reached == [None]

@@ -95,13 +95,14 @@ def test_a_cuda_home_without_nvcc_builds_nothing_or_fails_when_forced(monkeypatc
     assert "not building the CUDA extension: no nvcc at" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("gpu", [True, False])
-def test_why_nothing_is_built_is_said(monkeypatch, tmp_path, capsys, gpu):
-    """A CUDA torch from pip with no toolkit installed, or a toolkit and no GPU: no extension, and the reason."""
+@pytest.mark.parametrize("toolkit, gpu", [(False, True), (False, False), (True, False)])
+def test_why_nothing_is_built_is_said(monkeypatch, tmp_path, capsys, toolkit, gpu):
+    """A CUDA torch from pip with no toolkit installed (with or without a GPU), or a toolkit and no GPU: no
+    extension, and the reason."""
     monkeypatch.delenv("GAFUSED_FORCE_CUDA", raising=False)
-    given = _run_setup(monkeypatch, None if gpu else _toolkit(tmp_path / "cuda", nvcc=True), gpu=gpu)
+    given = _run_setup(monkeypatch, _toolkit(tmp_path / "cuda", nvcc=True) if toolkit else None, gpu=gpu)
     assert given["ext_modules"] == [] and given["cmdclass"] == {}
-    reason = "no CUDA toolkit found (no nvcc on PATH, CUDA_HOME unset)" if gpu else "no GPU visible"
+    reason = "no GPU visible" if toolkit else "no CUDA toolkit found (no nvcc on PATH, CUDA_HOME unset)"
     assert f"gafused: not building the CUDA extension: {reason}" in capsys.readouterr().err
 
 
