@@ -462,8 +462,7 @@ def run_irregular(rank: int, name: str, interrupted: bool = False) -> list[torch
             if interrupted and (window, micro) == (0, N - 1):
                 state = opt.state_dict()
                 opt.backward(((ddp(x, rank in extra_on, reentrant) - y) ** 2).sum(-1).mean(), weight=x.shape[0])
-                opt.zero_grad()
-                opt.load_state_dict(state)
+                opt.load_state_dict(state)  # over the open micro-batch (zero_grad() would refuse it: it is folded)
             loss = ((ddp(x, rank in extra_on, reentrant) - y) ** 2).sum(-1).mean()
             opt.backward(loss, weight=x.shape[0])
             opt.step()
@@ -606,7 +605,8 @@ def _misuse(rank: int) -> dict[str, str]:
         opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
     said["flush with a backward() awaiting step()"] = _said(RuntimeError, opt.flush)
     said["flush with a backward() awaiting step() micro_step"] = str(opt.micro_step)
-    opt.zero_grad()
+    if rank == 1:
+        opt.step()  # ends the micro-batch awaiting it (zero_grad() refuses a window's later micro-batch)
     del opt
     gc.collect()
     # A mid-window checkpoint holds this rank's part: loading another rank's is refused.
