@@ -279,6 +279,20 @@ def _sgd_trainer(
     )
 
 
+def _tiny_bert(**overrides: Any) -> transformers.BertConfig:
+    """A BERT small enough for a CPU test, without dropout (the float64 references replay its forward)."""
+    options: dict[str, Any] = dict(
+        vocab_size=cases.VOCAB,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertConfig(**{**options, **overrides})
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path, compiled: bool) -> None:
     """BertForMaskedLM's forward takes **kwargs, and its loss_type ("ForMaskedLM") names a loss that takes
@@ -286,17 +300,7 @@ def test_a_head_that_computes_its_own_loss_is_averaged_not_summed(tmp_path: Path
     tokens, whatever Trainer passes. GafusedTrainer weighs the means by their tokens: one window of 4 one-sequence
     micro-batches (SGD, lr 1, no clipping) must step by the token-weighted mean gradient, computed here in float64.
     Under torch.compile (whose wrapper's forward is only *args, **kwargs) the head's own forward is the one read."""
-    config = transformers.BertConfig(
-        vocab_size=cases.VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=cases.PAD,
-    )
+    config = _tiny_bert(num_hidden_layers=2, pad_token_id=cases.PAD)
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(config)
     assert model.loss_type == "ForMaskedLM" and not hasattr(model, "accepts_loss_kwargs")
@@ -534,16 +538,7 @@ def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_pat
     positions, each without the positions beyond the passage. One window of 3 and 2 passages (SGD, lr 1, no
     clipping), one of them unscored, must step by the float64 gradient of the loss of all 5 at once. A passage
     with only one of its two positions scored has no exact weight: refused, naming loss_items."""
-    config = transformers.BertConfig(
-        vocab_size=cases.VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = _tiny_bert(num_hidden_layers=1)
     torch.manual_seed(0)
     model = transformers.BertForQuestionAnswering(config)
     data = _Answers()
