@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from gafused import distributed, ops
-from gafused.buffer import ACCUM_DTYPES, DEFAULT_BUCKET_BYTES, FlatGradBuffer
+from gafused.buffer import ACCUM_DTYPES, DEFAULT_BUCKET_BYTES, PARAM_DTYPES, FlatGradBuffer
 from gafused.ingest import BucketHooks
 
 __all__ = ["GradAccumulator"]
@@ -387,8 +387,10 @@ class GradAccumulator(torch.optim.Optimizer):
                         "or its gradient would be counted twice"
                     )
                 seen[id(param)] = name
-                if param.is_complex() or not param.is_floating_point():
-                    raise ValueError(f"{name}: parameters must be real floating point, got {param.dtype}")
+                if param.dtype not in PARAM_DTYPES:
+                    raise ValueError(
+                        f"{name}: parameters must be float16, bfloat16, float32 or float64, got {param.dtype}"
+                    )
                 if param.layout != torch.strided:
                     raise ValueError(f"{name}: parameters must be dense (strided), got layout {param.layout}")
                 if param.is_meta:
@@ -913,8 +915,8 @@ class GradAccumulator(torch.optim.Optimizer):
         Gradients a ``step()`` has not folded yet are dropped; what is folded stays in the window. Between
         ``backward()`` and ``step()`` it drops that micro-batch, as ``zero_grad()`` drops a batch in a plain loop,
         when the micro-batch is the window's first (the window is discarded) or its backward folded nothing; a later
-        micro-batch is already folded into the window's sum and is refused (RuntimeError): leave a batch out with
-        ``weight=0``.
+        micro-batch is already folded into the window's sum and is refused (RuntimeError), as is a window's last
+        under DDP (``model=``), whose buckets are being reduced: leave a batch out with ``weight=0``.
 
         Args:
             set_to_none: accepted for drop-in compatibility; gradients are released either way, since a

@@ -13,6 +13,7 @@ optimizers walk a gradient's memory as if it were the parameter's).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -124,7 +125,7 @@ class FlatGradBuffer:
             raise ValueError(f"FlatGradBuffer: accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype}")
         if (
             isinstance(alignment_bytes, bool)
-            or not isinstance(alignment_bytes, int)
+            or not isinstance(alignment_bytes, numbers.Integral)
             or alignment_bytes < 16
             or alignment_bytes & (alignment_bytes - 1)
         ):
@@ -152,7 +153,7 @@ class FlatGradBuffer:
         self.params: list[torch.Tensor] = params
         self.device: torch.device = params[0].device
         self.accum_dtype: torch.dtype = accum_dtype
-        self.alignment_bytes: int = alignment_bytes
+        self.alignment_bytes: int = int(alignment_bytes)
         self.shapes: list[torch.Size] = [p.shape for p in params]
         self.numels: list[int] = [p.numel() for p in params]
         self.strides: list[tuple[int, ...]] = [memory_order_strides(p) for p in params]

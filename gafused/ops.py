@@ -406,7 +406,8 @@ def check_grads(
     for every buffer before folding any, so a refused step changes nothing) passes ``check=False`` to them.
     Its host cost per gradient is what bounds a fused micro-step, so gradients laid out like the last ones this
     buffer accepted as they were (the usual case: each micro-batch's gradients look like the previous one's) are
-    matched in one C++ call; any other list is checked gradient by gradient, which names the first bad one.
+    matched in one C++ call; any other list is checked gradient by gradient, which names the first bad one and
+    refuses a gradient that is a view of the buffer (the one-call match reads metadata only, not memory).
 
     Args:
         buffer: the accumulation buffer.

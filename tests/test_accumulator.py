@@ -593,8 +593,15 @@ def test_constructor_rejects_non_optimizers_and_complex_parameters():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         GradAccumulator(_model().parameters(), accumulation_steps=2)
     complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="real floating point"):
+    with pytest.raises(ValueError, match="must be float16, bfloat16, float32 or float64, got torch.complex64"):
         GradAccumulator(torch.optim.SGD([complex_param], lr=0.1), accumulation_steps=2)
+    # A float8 parameter (floating point, but no op folds its gradients) is named by its place in the optimizer.
+    fp8 = torch.nn.Parameter(torch.zeros(3).to(torch.float8_e5m2), requires_grad=False)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(4)), fp8]}]
+    with pytest.raises(
+        ValueError, match=r"param_groups\[1\]\['params'\]\[1\] \(shape \(3,\)\): .* got torch.float8_e5m2"
+    ):
+        GradAccumulator(torch.optim.SGD(groups, lr=0.1), accumulation_steps=2)
 
 
 def test_missing_backend_raises_with_install_command():

@@ -4,6 +4,7 @@ the per-gradient path does, before anything changes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,3 +290,8 @@ def test_bad_arguments_of_the_ops_are_named(call, error, message):
 def test_buffers_the_ops_could_not_fold_into_are_refused_at_construction(param, kwargs, message):
     with pytest.raises(ValueError, match=message):
         FlatGradBuffer([param], **kwargs)
+
+
+def test_alignment_bytes_may_be_any_integer():
+    buffer = FlatGradBuffer([torch.zeros(3), torch.zeros(5)], alignment_bytes=np.int64(64))
+    assert buffer.alignment_bytes == 64 and type(buffer.alignment_bytes) is int and buffer.offsets == [0, 16]
