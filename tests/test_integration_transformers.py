@@ -532,12 +532,15 @@ class _Answers(torch.utils.data.Dataset):
         return self.items[index]
 
 
-def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_path: Path) -> None:
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_path: Path, smoothing: float) -> None:
     """BertForQuestionAnswering's batches carry start_positions and end_positions, no labels (GafusedTrainer once
     refused them); its loss is the mean of a cross-entropy mean over the start positions and one over the end
     positions, each without the positions beyond the passage. One window of 3 and 2 passages (SGD, lr 1, no
-    clipping), one of them unscored, must step by the float64 gradient of the loss of all 5 at once. A passage
-    with only one of its two positions scored has no exact weight: refused, naming loss_items."""
+    clipping), one of them unscored, must step by the float64 gradient of the loss of all 5 at once; a
+    label_smoothing_factor changes nothing (Trainer smooths "labels" only: it failed at the first micro-batch). A
+    passage with only one of its two positions scored has no exact weight, nor has a position past the text of a
+    batch with an image (whose logits may cover image patches): refused, naming loss_items."""
     config = _tiny_bert(num_hidden_layers=1)
     torch.manual_seed(0)
     model = transformers.BertForQuestionAnswering(config)
@@ -548,7 +551,14 @@ def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_pat
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
 
     trainer = _sgd_trainer(
-        GafusedTrainer, model, tmp_path, data, False, per_device_train_batch_size=3, gradient_accumulation_steps=2
+        GafusedTrainer,
+        model,
+        tmp_path,
+        data,
+        False,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        label_smoothing_factor=smoothing,
     )
     trainer.train()
     assert trainer.state.global_step == 1 and trainer.accumulator.normalization == "mean"
@@ -561,6 +571,9 @@ def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_pat
     }
     with pytest.raises(ValueError, match=r"start and end positions.*loss_items"):
         trainer.loss_items(half_scored)
+    past_the_text = {**half_scored, "end_positions": torch.tensor([3, 12]), "pixel_values": torch.zeros(2, 3, 4, 4)}
+    with pytest.raises(ValueError, match=r"'pixel_values' has a start or end position past the text.*loss_items"):
+        trainer.loss_items(past_the_text)
 
 
 class _TwoSequences(torch.utils.data.Dataset):

@@ -166,12 +166,15 @@ class GafusedTrainer(transformers.Trainer):
         self._causal_lm = _computes_causal_lm_loss(inspected)
         self._own_shifts_labels = _own_loss_shifts_labels(type(inspected).forward)
         self._ctc_reduction = _ctc_reduction(inspected)
+        # Trainer's LabelSmoother scores a batch's "labels": a head whose forward takes none (question answering's
+        # start and end positions) is never smoothed, and computes its loss itself.
+        self._smoothable = "labels" in _parameters(type(inspected).forward)
         # A head that takes **kwargs but whose loss is a mean over its own micro-batch (sequence classification, a
         # loss the head computes itself, ...): Trainer would treat that loss as normalized over the window and sum
         # the means. Its loss is what it is, so it is weighed as one (unless Trainer computes the loss itself).
         if (
             self.compute_loss_func is None
-            and self.label_smoother is None
+            and not (self.label_smoother is not None and self._smoothable)
             and self.model_accepts_loss_kwargs
             and _loss_ignores_item_count(inspected)
         ):
@@ -198,7 +201,7 @@ class GafusedTrainer(transformers.Trainer):
         ``compute_loss_func`` may be set after construction, as Trainer reads them at each step): what a
         micro-batch's items are, and whether the accumulator sums the losses or averages them (module docstring).
         ``model``: the one ``compute_loss`` gets. Refused configurations change nothing."""
-        smoothed = self.compute_loss_func is None and self.label_smoother is not None
+        smoothed = self.compute_loss_func is None and self.label_smoother is not None and self._smoothable
         sums = self._loss_normalized_over_window()
         if not smoothed and self.compute_loss_func is None and self._ctc_reduction == "sum" and not sums:
             raise ValueError(
@@ -477,6 +480,14 @@ def _answer_items(inputs: Mapping[str, Any]) -> torch.Tensor:
             "count its items"
         )
     start_scored, end_scored = start < tokens.shape[-1], end < tokens.shape[-1]
+    if "pixel_values" in inputs and not bool((start_scored & end_scored).all()):
+        # A head that also reads an image (LayoutLMv3) may score positions past the text (its image patches): the
+        # loss then ignores positions past its logits, whose length the inputs do not tell.
+        raise ValueError(
+            "inputs: a question-answering micro-batch with 'pixel_values' has a start or end position past the text "
+            "('input_ids'); the loss ignores only positions past its logits, which may cover image patches too, so "
+            "its items cannot be counted from the inputs; override GafusedTrainer.loss_items(inputs) to count them"
+        )
     if bool((start_scored != end_scored).any()):
         raise ValueError(
             "inputs: a sequence has one of its start and end positions beyond the sequence, which the "
@@ -485,6 +496,14 @@ def _answer_items(inputs: Mapping[str, Any]) -> torch.Tensor:
             "the CLS token (position 0) for both, or override GafusedTrainer.loss_items(inputs)"
         )
     return start_scored.sum()
+
+
+def _parameters(function: Any) -> set[str]:
+    """The parameter names of ``function`` (none when its signature cannot be read)."""
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _forward_loss(forward: Any) -> str:
