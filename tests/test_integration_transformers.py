@@ -216,6 +216,16 @@ def test_a_head_whose_loss_ignores_the_item_count_is_averaged_not_summed(tmp_pat
     assert error < 1e-5, error
 
 
+def _big_batch_gradient(model: torch.nn.Module, **inputs: Any) -> tuple[dict, dict]:
+    """The model's parameters now, and the float64 gradient of its loss on ``inputs`` (the whole window at once),
+    both by name: what ``_step_error`` compares a step with."""
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    truth(**inputs).loss.backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+    return start, grads
+
+
 def _step_error(model: torch.nn.Module, start: dict, grads: dict) -> float:
     """|step - step64| / |step64| over the whole model (SGD, lr 1: the step is start - now), as the module's other
     bounds."""
@@ -470,11 +480,8 @@ def test_ctc_losses_are_weighed_by_their_reduction(tmp_path: Path, reduction: st
     1 clips (SGD, lr 1, no clipping) must step by the float64 gradient of the CTC loss of all 5 clips at once."""
     model = _wav2vec2_ctc(reduction)
     data = _Speech()
-    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
-    truth = copy.deepcopy(model).double()
     batch = _Speech.collate(data.items)
-    truth(input_values=batch["input_values"].double(), labels=batch["labels"]).loss.backward()
-    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+    start, grads = _big_batch_gradient(model, input_values=batch["input_values"].double(), labels=batch["labels"])
 
     trainer = _sgd_trainer(
         GafusedTrainer,
@@ -545,10 +552,9 @@ def test_question_answering_losses_are_weighed_by_their_scored_sequences(tmp_pat
     torch.manual_seed(0)
     model = transformers.BertForQuestionAnswering(config)
     data = _Answers()
-    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
-    truth = copy.deepcopy(model).double()
-    truth(**{key: torch.stack([item[key] for item in data.items]) for key in data.items[0]}).loss.backward()
-    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+    start, grads = _big_batch_gradient(
+        model, **{key: torch.stack([item[key] for item in data.items]) for key in data.items[0]}
+    )
 
     trainer = _sgd_trainer(
         GafusedTrainer,
