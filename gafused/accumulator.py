@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from gafused import distributed, ops
 from gafused.buffer import ACCUM_DTYPES, DEFAULT_BUCKET_BYTES, PARAM_DTYPES, FlatGradBuffer
@@ -171,9 +172,10 @@ class GradAccumulator(torch.optim.Optimizer):
             ``$GAFUSED_BACKEND`` when set, else the fastest backend that runs on each device.
         grad_scaler: an enabled ``torch.amp.GradScaler`` for fp16 loss scaling. ``backward(loss)`` scales the
             loss itself; with ``loss.backward()`` loops call ``scaler.scale(loss).backward()``. Nothing else of
-            the scaler: the accumulator folds 1 / scale into each micro-batch's weight, keeps the scale fixed
-            within a window, and updates the scaler once per window, as ``scaler.step`` / ``scaler.update`` would.
-            A scaler serves one live accumulator: another that uses it is refused.
+            the scaler: the accumulator folds 1 / scale (the scale the micro-batch's loss was scaled with) into
+            each micro-batch's weight and updates the scaler once per window, as ``scaler.step`` /
+            ``scaler.update`` would; a step after ``scaler.step(opt)`` or ``scaler.unscale_(opt)`` is refused. A
+            scaler serves one live accumulator: another that uses it is refused.
         bucket_bytes: ``backward()`` folds gradients in buckets of about this many bytes of buffer, each as
             soon as backward has produced all its gradients; at most about one bucket of fresh gradients is
             alive beside the buffers.
@@ -290,7 +292,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._weight_sum: torch.Tensor | None = None  # float64, home device
         self._rank_mismatch: torch.Tensor | None = None  # bool, home device: ranks disagree on the window
         self._bad_weight: torch.Tensor | None = None  # bool, home device: a device weight failed its check
-        self._inv_loss_scale: torch.Tensor | None = None  # 1 / GradScaler scale, fixed for the window
+        self._inv_loss_scale: torch.Tensor | None = None  # 1 / GradScaler scale of the micro-batch last folded
         self._window_lrs: list[Any] | None = None
         self._warned_lr_change = False
         # The open micro-batch of the backward() loop: its weight (as given, and as a tensor) and whether it is
@@ -720,6 +722,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "passed by keyword: step(weight=w)"
             )
         _check_bool(end_window, "end_window")
+        self._check_not_unscaled()
         if closure is None and _called_from_dcp("_init_optim_state"):
             self._init_inner_state_for_dcp()
             return None
@@ -736,6 +739,24 @@ class GradAccumulator(torch.optim.Optimizer):
         self._check_param_set(identity=self._at_window_edge(end_window))
         self._end_micro_batch(weight, end_window)
         return result
+
+    def _check_not_unscaled(self) -> None:
+        """Refuse a step the GradScaler unscaled the gradients for (``scaler.step(opt)`` or ``scaler.unscale_(opt)``:
+        the AMP recipe around a plain optimizer): the accumulator divides by the scale itself, so the gradients
+        would be divided twice. The scaler's record of it is dropped, so the corrected loop's next step() goes on."""
+        scaler = self.grad_scaler
+        if scaler is None:
+            return
+        state = scaler._per_optimizer_states.get(id(self))
+        if state is not None and state.get("stage") is not OptState.READY:
+            del scaler._per_optimizer_states[id(self)]
+            raise RuntimeError(
+                "step(): the grad_scaler unscaled this optimizer's gradients (scaler.step(opt) or "
+                "scaler.unscale_(opt)); with grad_scaler= the accumulator unscales and updates the scaler itself, so "
+                "the gradients would be divided by the scale twice. Call opt.step() and nothing of the scaler but "
+                "scaler.scale(loss) (or opt.backward(loss), which scales it); drop this micro-batch's unscaled "
+                "gradients with opt.zero_grad()"
+            )
 
     def _init_inner_state_for_dcp(self) -> None:
         """torch.distributed.checkpoint (``get_state_dict``, ``set_state_dict``, ...) creates an optimizer's state by
@@ -986,7 +1007,7 @@ class GradAccumulator(torch.optim.Optimizer):
         normal range (a weight checked on the host can still underflow once divided by the loss scale)."""
         if self._sync.weight_in_loss:
             w = torch.full_like(w, self._sync.fold_factor)
-        if self._inv_loss_scale is None and self.grad_scaler is not None:  # a window resumed from a checkpoint
+        if self.grad_scaler is not None:  # the scale this micro-batch's loss was scaled with, read as it is folded
             self._inv_loss_scale = self._read_inv_loss_scale()
         if self._inv_loss_scale is None:
             return w, bad

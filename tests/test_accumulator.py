@@ -1340,3 +1340,49 @@ def test_frozen_parameters_in_the_optimizer_are_named_with_the_memory_they_cost(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GradAccumulator(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), 2)
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_loss_scale_changed_inside_a_window_unscales_each_micro_batch_with_its_own(loop):
+    """The scale moved mid-window (scaler.update(new) by hand, or a plain AMP optimizer sharing the scaler): each
+    micro-batch is unscaled with the scale its loss was scaled with (read once per window, the later ones were off by
+    the ratio: 13x the true norm here)."""
+    model, reference = _model(), _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    batches = _data([3, 4])
+    for index, (x, y) in enumerate(batches):
+        if index == 1:
+            scaler.update(2.0**14)
+        if loop == "backward":
+            opt.backward(_loss(model, x, y), weight=len(x))
+            opt.step()
+        else:
+            scaler.scale(_loss(model, x, y)).backward()
+            opt.step(weight=len(x))
+    assert opt.stepped
+    sum(_loss(reference, x, y) * len(x) / 7 for x, y in batches).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+
+
+def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
+    """The AMP recipe kept around the accumulator (scaler.step(opt); scaler.update()): scaler.step unscales p.grad,
+    then calls opt.step(), which would divide by the scale again (a step 1/scale too small, silently). Refused; the
+    corrected loop goes on."""
+    model, reference = _model(), _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    batches = _data([3, 4, 2])
+    scaler.scale(_loss(model, *batches[0])).backward()
+    with pytest.raises(RuntimeError, match=r"unscaled this optimizer's gradients \(scaler.step\(opt\)"):
+        scaler.step(opt)
+    assert opt.micro_step == 0
+    opt.zero_grad()
+    for x, y in batches[1:]:
+        scaler.scale(_loss(model, x, y)).backward()
+        opt.step(weight=len(x))
+    assert opt.stepped
+    sum(_loss(reference, x, y) * len(x) / 6 for x, y in batches[1:]).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
