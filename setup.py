@@ -129,9 +129,9 @@ def _cuda_build() -> tuple[list, dict]:
             # Where an earlier build's library may be: the build directory, and the package directory that an
             # editable install builds into. Asked now: setuptools sets self.inplace to False while it builds and
             # leaves it so when the build raises.
-            inplace = self.inplace
-            earlier = set()
-            for self.inplace in (False, True):
+            inplace, earlier = self.inplace, set()
+            for mode in (False, True):
+                self.inplace = mode
                 earlier.update(self.get_ext_fullpath(ext.name) for ext in self.extensions)
             self.inplace = inplace
             try:

@@ -804,7 +804,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._check_ready_to_reduce(micro, grads)
         if micro is None and self.micro_step == 0:
             self._start_window()  # may refuse (a grad scaler without a scale yet): before anything changes
-        try:
+        # Every check came before: what raises now is a fold that failed or was interrupted (an interrupt lands as
+        # an op returns), after some buffers may have changed. Retrying would fold them twice.
+        with self._discarded_on_failure("step() failed while folding"):
             if micro is not None:
                 self._fold_held_buckets(grads)
                 del grads
@@ -815,16 +817,10 @@ class GradAccumulator(torch.optim.Optimizer):
             else:
                 results = self._fold_all(grads, w, bad, last)
                 del grads  # the last micro-batch's gradients must not outlive the fold (memory)
-        except BaseException as error:
-            # Every check came before: this is a fold that failed or was interrupted (an interrupt lands as an op
-            # returns), after some buffers may have changed. Retrying would fold them twice.
-            self._discard_window()
-            _add_note(error, "gafused: step() failed while folding; the open accumulation window was discarded")
-            raise
         self.micro_step += 1
         self.stepped = False
         if last:
-            with self._ending_window():
+            with self._discarded_on_failure("the window's end failed", unless_ended=True):
                 if self._global:
                     self._finish_across_ranks(self._reduced_window_sums(self.micro_step))
                 elif late:
@@ -833,16 +829,17 @@ class GradAccumulator(torch.optim.Optimizer):
                     self._finish(results)
 
     @contextlib.contextmanager
-    def _ending_window(self) -> Iterator[None]:
-        """Around a window's end: if it raises before the window was finished or discarded (an interrupt at its
-        host sync, a failed collective), the window is discarded. Kept, it would sit past its last micro-batch
-        (a counted window would never end again) with its buffers perhaps scaled already."""
+    def _discarded_on_failure(self, what: str, unless_ended: bool = False) -> Iterator[None]:
+        """Discard the window (with a note saying ``what``) if the block raises: a fold, or a window's end
+        (``unless_ended``: unless the window was finished or discarded before the error, ``micro_step`` 0 again).
+        A window's end kept after an interrupt at its host sync or a failed collective would sit past its last
+        micro-batch (a counted window would never end again) with its buffers perhaps scaled already."""
         try:
             yield
         except BaseException as error:
-            if self.micro_step > 0:
+            if not (unless_ended and self.micro_step == 0):
                 self._discard_window()
-                _add_note(error, "gafused: the window's end failed; the open accumulation window was discarded")
+                _add_note(error, f"gafused: {what}; the open accumulation window was discarded")
             raise
 
     @torch._disable_dynamo
@@ -893,7 +890,7 @@ class GradAccumulator(torch.optim.Optimizer):
             if count == 0:
                 self.stepped = False
                 return False
-            with self._ending_window():
+            with self._discarded_on_failure("the window's end failed", unless_ended=True):
                 self._finish_across_ranks(sums)
             return self.stepped
         if refusal is not None:
@@ -901,7 +898,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if self.micro_step == 0:
             self.stepped = False
             return False
-        with self._ending_window():
+        with self._discarded_on_failure("the window's end failed", unless_ended=True):
             self._finish(self._finishing_pass())
         return self.stepped
 
@@ -1795,11 +1792,12 @@ class GradAccumulator(torch.optim.Optimizer):
             group.had_grad = list(entry["had_grad"])
             segments = entry["segments"].to(group.buffer.device, group.buffer.accum_dtype)
             buffer = group.buffer
+            # Version 2: the buffer's memory order, which it does not record: taken to be this buffer's (a checkpoint
+            # of that version resumes in the memory format it was saved in). Otherwise each parameter's row-major.
+            in_memory_order = window["version"] == 2
             for param_index, start in enumerate(_running_starts(buffer.numels)):
                 saved = segments[start : start + buffer.numels[param_index]]
-                # Version 2: the buffer's memory order, which it does not record: taken to be this buffer's (a
-                # checkpoint of that version resumes in the memory format it was saved in).
-                if window["version"] == 2:
+                if in_memory_order:
                     buffer.segment(param_index).copy_(saved)
                 else:
                     buffer.view(param_index).copy_(saved.view(buffer.shapes[param_index]))

@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from gafused.buffer import FlatGradBuffer
+from gafused.buffer import PARAM_DTYPES, FlatGradBuffer
 
 __all__ = [
     "BACKENDS",
@@ -311,7 +311,7 @@ def _check_first(first: object) -> None:
         raise TypeError(f"first must be a bool, got {type(first).__name__}")
 
 
-GRAD_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+GRAD_DTYPES = frozenset(PARAM_DTYPES)
 
 
 class CheckedGrads(list):
@@ -445,6 +445,7 @@ def _no_tracing() -> bool:
 def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str] | None) -> CheckedGrads:
     """``check_grads`` one gradient at a time; records the layout of a list accepted as it was given."""
     device, numels, permuted = buffer.device, buffer.numels, buffer.permuted
+    eager, compiling = _no_tracing(), torch.compiler.is_compiling()
     given = list(grads)
     as_given = True
     for index, grad in enumerate(given):
@@ -459,7 +460,7 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
             or (index in permuted and grad.shape != buffer.shapes[index])
         ):
             raise _bad_grad(buffer, index, grad, names)
-        if _shares_memory(grad, buffer):
+        if eager and _shares_memory(grad, buffer):
             label = f"grads[{index}]" if names is None else names[index]
             raise ValueError(
                 f"{label} shares memory with the buffer (a view of it, such as a finished gradient "
@@ -470,7 +471,7 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
             as_given = False
         # A lazily negated view (torch._neg_view): its memory holds the negated values. (While tracing, the custom
         # op resolves it: is_neg() would break the graph.)
-        if not torch.compiler.is_compiling() and grad.is_neg():
+        if not compiling and grad.is_neg():
             grads[index] = grad = grad.resolve_neg()
             as_given = False
         if index in permuted:
@@ -479,14 +480,14 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
         elif not grad.is_contiguous():
             grads[index] = grad.contiguous()
             as_given = False
-    if as_given and _TensorGuards is not None and _no_tracing():
+    if as_given and _TensorGuards is not None and eager:
         _record_layout(buffer, given, grads)
     return grads
 
 
 def _shares_memory(grad: torch.Tensor, buffer: FlatGradBuffer) -> bool:
-    """Whether ``grad`` is a view of the buffer's storage (eager tensors with memory only)."""
-    if grad.numel() == 0 or grad.device.type == "meta" or not _no_tracing() or type(grad) is not torch.Tensor:
+    """Whether eager ``grad`` is a view of the buffer's storage (tensors with memory only)."""
+    if grad.numel() == 0 or grad.device.type == "meta" or type(grad) is not torch.Tensor:
         return False  # (an empty tensor has no memory to share: its storage address may be 0, as the buffer's)
     return grad.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
 
