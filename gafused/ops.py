@@ -27,7 +27,6 @@ graph would not repeat. torch.compile leaves them out of the graphs it captures.
 
 from __future__ import annotations
 
-import importlib
 import numbers
 import os
 import warnings
@@ -58,12 +57,6 @@ __all__ = [
 BACKENDS = ("reference", "foreach", "triton", "cuda")
 ENV_BACKEND = "GAFUSED_BACKEND"
 
-_MODULES = {
-    "reference": "gafused.reference",
-    "foreach": "gafused.foreach_backend",
-    "triton": "gafused.triton_backend",
-    "cuda": "gafused.cuda_backend",
-}
 INSTALL_HINTS = {
     "reference": "",
     "foreach": "",
@@ -85,16 +78,17 @@ def _load(name: str) -> ModuleType | None:
     if name in _import_errors:
         return None
     try:
-        # The backends that need only torch are imported with import statements, which torch.compile runs while it
-        # traces, so an op first called inside a compiled function does not break its graph there. The optional
-        # ones may fail to import in any way: importlib, a function torch.compile leaves to eager Python, keeps
-        # every such failure a remembered import error.
+        # Import statements, which torch.compile runs while it traces: an op whose backend is first loaded inside a
+        # compiled function does not break its graph there (importlib is a function Dynamo leaves to eager Python).
+        # An optional backend may fail to import in any way; every such failure is remembered for the report.
         if name == "reference":
             from gafused import reference as module
         elif name == "foreach":
             from gafused import foreach_backend as module
+        elif name == "triton":
+            from gafused import triton_backend as module
         else:
-            module = importlib.import_module(_MODULES[name])
+            from gafused import cuda_backend as module
     except Exception as error:  # noqa: BLE001 - any import failure makes the backend unavailable; kept for the report
         _import_errors[name] = error
         return None
@@ -126,7 +120,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
     ``"auto"`` takes ``$GAFUSED_BACKEND`` when set; otherwise it picks cuda, then triton, then foreach for GPU
     tensors (warning when no fused backend can run) and foreach for CPU tensors. A named backend that cannot
-    run raises RuntimeError with the reason and the command that installs it.
+    run raises RuntimeError with the reason (and, when it does not import, the command that installs it).
 
     Args:
         backend: ``"auto"`` or a name from ``BACKENDS``.
@@ -155,7 +149,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
             return "foreach"
     reason = backend_unavailable_reason(backend, device)
     if reason is not None:
-        raise RuntimeError(f"{reason}. To install it: {INSTALL_HINTS[backend]}")
+        hint = f". To install it: {INSTALL_HINTS[backend]}" if backend in _import_errors else ""
+        raise RuntimeError(f"{reason}{hint}")
     return backend
 
 

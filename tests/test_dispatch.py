@@ -59,8 +59,9 @@ def test_auto_on_a_cuda_machine(cuda_machine):
     assert ops.resolve_backend("auto", CPU) == "foreach"
     assert gafused.available_backends() == ["reference", "foreach", "triton"]  # the default device is cuda now
     assert gafused.available_backends(CPU) == ["reference", "foreach"]
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1") as info:
         ops.resolve_backend("triton", CPU)
+    assert "pip install" not in str(info.value)  # triton is installed: the install hint would send users wrong
 
 
 def test_auto_falls_back_to_foreach_with_a_warning_on_rocm(cuda_machine, monkeypatch):
@@ -124,7 +125,8 @@ def test_an_older_build_is_reported_with_the_rebuild_command(cuda_machine, monke
     assert gafused.available_backends(CUDA) == ["reference", "foreach", "triton"]
     with pytest.raises(RuntimeError, match="built by an older gafused") as info:
         ops.resolve_backend("cuda", CUDA)
-    assert ops.INSTALL_HINTS["cuda"] in str(info.value)
+    # The reason carries its own rebuild command; the install hint is for a backend that does not import.
+    assert "TORCH_CUDA_ARCH_LIST=9.0" in str(info.value) and ops.INSTALL_HINTS["cuda"] not in str(info.value)
 
 
 def test_auto_on_this_machine():
