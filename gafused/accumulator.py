@@ -735,6 +735,7 @@ class GradAccumulator(torch.optim.Optimizer):
             self._weight_tensor(weight)  # refuse a bad weight before the closure runs
         with torch.enable_grad():
             result = closure()
+        self._check_not_unscaled()  # the closure may have unscaled the gradients it made
         # After the closure: its backward() may have declared the window's end.
         self._check_param_set(identity=self._at_window_edge(end_window))
         self._end_micro_batch(weight, end_window)
@@ -747,16 +748,25 @@ class GradAccumulator(torch.optim.Optimizer):
         scaler = self.grad_scaler
         if scaler is None:
             return
-        state = scaler._per_optimizer_states.get(id(self))
-        if state is not None and state.get("stage") is not OptState.READY:
-            del scaler._per_optimizer_states[id(self)]
-            raise RuntimeError(
-                "step(): the grad_scaler unscaled this optimizer's gradients (scaler.step(opt) or "
-                "scaler.unscale_(opt)); with grad_scaler= the accumulator unscales and updates the scaler itself, so "
-                "the gradients would be divided by the scale twice. Call opt.step() and nothing of the scaler but "
-                "scaler.scale(loss) (or opt.backward(loss), which scales it); drop this micro-batch's unscaled "
-                "gradients with opt.zero_grad()"
-            )
+        # Every optimizer's record, not only this one's: the scaler serves this accumulator alone
+        # (_claim_grad_scaler), and a wrapper standing for it (Lightning's, from self.optimizers()) has another id.
+        states = scaler._per_optimizer_states
+        unscaled = [key for key, state in states.items() if state.get("stage") is not OptState.READY]
+        if not unscaled:
+            return
+        for key in unscaled:
+            del states[key]
+        remedy = (
+            "backward() already folded this micro-batch's gradients, unscaled once, so call opt.step() again"
+            if self._micro is not None
+            else "drop this micro-batch's unscaled gradients with opt.zero_grad()"
+        )
+        raise RuntimeError(
+            "step(): the grad_scaler unscaled this optimizer's gradients (scaler.step(opt) or "
+            "scaler.unscale_(opt)); with grad_scaler= the accumulator unscales and updates the scaler itself, so "
+            "the gradients would be divided by the scale twice. Call opt.step() and nothing of the scaler but "
+            f"scaler.scale(loss) (or opt.backward(loss), which scales it); {remedy}"
+        )
 
     def _init_inner_state_for_dcp(self) -> None:
         """torch.distributed.checkpoint (``get_state_dict``, ``set_state_dict``, ...) creates an optimizer's state by
@@ -804,6 +814,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._check_ready_to_reduce(micro, grads)
         if micro is None and self.micro_step == 0:
             self._start_window()  # may refuse (a grad scaler without a scale yet): before anything changes
+        elif micro is None:
+            self._check_loss_scale()  # the fold reads it (a resumed window's scaler may have none yet)
         # Every check came before: what raises now is a fold that failed or was interrupted (an interrupt lands as
         # an op returns), after some buffers may have changed. Retrying would fold them twice.
         with self._discarded_on_failure("step() failed while folding"):
@@ -1441,10 +1453,13 @@ class GradAccumulator(torch.optim.Optimizer):
         """1 / the GradScaler's scale (float64, home device), or None without a scaler."""
         if self.grad_scaler is None:
             return None
-        scale = self.grad_scaler._get_scale_async()
-        if scale is None:
+        self._check_loss_scale()
+        return self.grad_scaler._get_scale_async().to(device=self._home, dtype=torch.float64).reciprocal()
+
+    def _check_loss_scale(self) -> None:
+        """Refuse a GradScaler without a scale yet (no ``scaler.scale()`` since it was made or loaded)."""
+        if self.grad_scaler is not None and self.grad_scaler._get_scale_async() is None:
             raise RuntimeError("grad_scaler has no scale yet: call scaler.scale(loss).backward() before step()")
-        return scale.to(device=self._home, dtype=torch.float64).reciprocal()
 
     def _check_lr_unchanged(self) -> None:
         """Warn once if the learning rate moves inside a window: a scheduler stepped per micro-batch."""
@@ -1672,6 +1687,8 @@ class GradAccumulator(torch.optim.Optimizer):
     def _update_grad_scaler(self, found_inf: torch.Tensor) -> None:
         """What ``GradScaler.update`` does after ``GradScaler.step`` found (or did not find) inf in the grads."""
         scaler = self.grad_scaler
+        if scaler._scale is None:  # loaded and not used since (a resumed window finished by flush()): its loaded scale
+            scaler._lazy_init_scale_growth_tracker(found_inf.device)
         scale, growth_tracker = scaler._check_scale_growth_tracker("update")
         torch._amp_update_scale_(
             scale,

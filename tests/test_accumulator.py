@@ -1386,3 +1386,90 @@ def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
     sum(_loss(reference, x, y) * len(x) / 6 for x, y in batches[1:]).backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("how", ["by a closure", "through a wrapper"])
+def test_gradients_unscaled_by_a_closure_or_through_a_wrapper_are_refused(how):
+    """scaler.unscale_ inside step(closure) (the check before the closure cannot see it), or through another object
+    standing for the accumulator (Lightning's LightningOptimizer from self.optimizers(), another id): the gradients
+    are divided by the scale once there and would be again by the fold. Refused, the micro-batch kept; dropped with
+    zero_grad(), the window goes on to the right result."""
+    model, reference = _model(), _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    batches = _data([3, 4, 2])
+    stand_in = type("Wrapper", (), {"param_groups": property(lambda self: opt.param_groups)})()
+
+    def unscaled_closure():
+        scaler.scale(_loss(model, *batches[0])).backward()
+        scaler.unscale_(opt)
+
+    with pytest.raises(RuntimeError, match=r"unscaled this optimizer's gradients.*drop this micro-batch"):
+        if how == "by a closure":
+            opt.step(unscaled_closure)
+        else:
+            scaler.scale(_loss(model, *batches[0])).backward()
+            scaler.unscale_(stand_in)
+            opt.step()
+    assert opt.micro_step == 0 and all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    for x, y in batches[1:]:
+        scaler.scale(_loss(model, x, y)).backward()
+        opt.step(weight=len(x))
+    assert opt.stepped
+    sum(_loss(reference, x, y) * len(x) / 6 for x, y in batches[1:]).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+
+
+def test_scaler_unscale_after_backward_folded_says_to_step_again():
+    """In the opt.backward() loop the micro-batch is folded (unscaled once) before scaler.unscale_ can touch it:
+    the refusal says to call step() again, which finishes the micro-batch as it is."""
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    x, y = _data([3])[0]
+    opt.backward(_loss(model, x, y), weight=len(x))
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"backward\(\) already folded this micro-batch.*call opt.step\(\) again"):
+        opt.step()
+    opt.step()
+    assert opt.micro_step == 1
+
+
+@pytest.mark.parametrize("then", ["step", "flush"])
+def test_a_resumed_window_with_a_freshly_loaded_scaler(then):
+    """A mid-window checkpoint resumed with a scaler loaded from its state (no scale() since): a step() whose
+    gradients were not scaled is refused keeping the resumed window (once, it was discarded), and flush() finishes
+    the window with the loaded scale (once, it crashed in the scaler's update after the inner step had run)."""
+    batches = _data([3, 5, 2])
+    model = _model()
+    reference = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 4, grad_scaler=scaler)
+    for x, y in batches[:2]:
+        scaler.scale(_loss(model, x, y)).backward()
+        opt.step(weight=len(x))
+        opt.zero_grad()
+    state, scaler_state = opt.state_dict(), scaler.state_dict()
+    del opt
+    loaded = torch.amp.GradScaler("cpu")
+    loaded.load_state_dict(scaler_state)
+    resumed = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 4, grad_scaler=loaded)
+    resumed.load_state_dict(state)
+    if then == "step":
+        x, y = batches[2]
+        _loss(model, x, y).backward()  # scaler.scale forgotten
+        with pytest.raises(RuntimeError, match="grad_scaler has no scale yet"):
+            resumed.step(weight=len(x))
+        assert resumed.micro_step == 2
+        resumed.zero_grad()
+        loaded.scale(_loss(model, x, y)).backward()
+        resumed.step(weight=len(x), end_window=True)
+    else:
+        assert resumed.flush()
+    assert resumed.stepped and resumed.micro_step == 0
+    assert loaded.get_scale() == 2.0**9  # grown once (growth_interval=1), from the loaded scale
+    used = batches if then == "step" else batches[:2]
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), used)
+    _assert_same_params(model, reference, 1e-12)
