@@ -194,6 +194,10 @@ class GradAccumulator(torch.optim.Optimizer):
             May be changed between windows (the ``normalization`` property).
     """
 
+    # A step() with no gradient since the last one and no weight is refused (a mistake that dilutes the window's
+    # mean); an adapter whose framework counts such a micro-batch with weight 1 (Accelerate) sets this.
+    _counts_empty_steps = False
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -798,6 +802,19 @@ class GradAccumulator(torch.optim.Optimizer):
                 )
             w, bad = self._weight_tensor(weight)
         grads = self._held_grads()  # every check happens before anything changes
+        if (
+            micro is None
+            and weight is None
+            and all(grad is None for group in grads for grad in group)
+            and not self._counts_empty_steps
+            and not self._sync.holds_unreduced()  # FSDP keeps them while its sync is off
+        ):
+            raise RuntimeError(
+                "step(): no gradient since the last step() (no backward() or loss.backward() ran): it would count "
+                "an empty micro-batch of weight 1, diluting the window's mean (a step() called twice, or "
+                "step(end_window=True) where flush() was meant). Run this micro-batch's backward first; to count a "
+                "micro-batch without gradients on purpose, give its weight: step(weight=w) (weight=0 adds nothing)"
+            )
         self._check_lr_unchanged()
 
         if micro is not None:
@@ -882,6 +899,12 @@ class GradAccumulator(torch.optim.Optimizer):
                 "call step() to include them or zero_grad() to drop them first"
             )
         if self._global:
+            if refusal is None and self.micro_step > 0 and self._sync.holds_unreduced():
+                refusal = RuntimeError(
+                    "flush(): FSDP holds this window's gradients unreduced (set_requires_gradient_sync(False)), and "
+                    "only a backward reduces them; nothing changed. Declare a partial window's last micro-batch at "
+                    "its backward: opt.backward(loss, weight=w, end_window=True), which turns the sync on for it"
+                )
             if refusal is None:
                 try:
                     self._check_window_end()
@@ -955,7 +978,9 @@ class GradAccumulator(torch.optim.Optimizer):
         micro = self._micro
         # torch.distributed.checkpoint releases the zeros it stepped the inner optimizer with: not the user's call.
         if micro is not None and not _called_from_dcp("_init_optim_state"):
-            if micro.folded and (self.micro_step > 0 or self._reducing):
+            # FSDP with its sync off holds the micro-batch's gradients, summed with the window's earlier ones.
+            folded = micro.folded or self._sync.holds_unreduced()
+            if folded and (self.micro_step > 0 or self._reducing):
                 where = (
                     f"micro-batch {self.micro_step + 1} of the window"
                     if self.micro_step > 0
@@ -966,7 +991,7 @@ class GradAccumulator(torch.optim.Optimizer):
                     "it cannot be told apart from the rest; nothing changed. To leave a batch out, pass weight=0 to "
                     "its backward(), or end it with step()"
                 )
-            if micro.folded:
+            if folded:
                 self._discard_window()  # the window is this micro-batch alone
                 return
             self._close_micro_batch()
@@ -1672,6 +1697,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _discard_window(self) -> None:
         self._drop_reductions()
+        self._sync.drop_unreduced()
         self._release_grads()
         self._micro = None
         for group in self._groups:
@@ -1711,6 +1737,12 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
+        if self.micro_step > 0 and self._sync.holds_unreduced():
+            raise RuntimeError(
+                "state_dict(): FSDP holds this window's gradients unreduced (set_requires_gradient_sync(False)), "
+                "outside the accumulator's buffers, so a checkpoint would lose them. Take it at a window's end (when "
+                "opt.stepped is True), or keep FSDP's sync on in windows that may be checkpointed"
+            )
         if self.micro_step > 0 and _called_from_dcp("_get_optim_state_dict"):
             raise RuntimeError(
                 f"state_dict(): torch.distributed.checkpoint keeps only an optimizer state_dict's 'state' and "
@@ -1781,6 +1813,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
         self._release_published()
         self._drop_reductions()  # an interrupted last micro-batch's reductions and late parts: not this window's
+        self._sync.drop_unreduced()  # nor what FSDP holds back of the window open before
         for group in self._groups:
             for param in group.params:
                 param.grad = None

@@ -25,6 +25,7 @@ and per bucket whether the rank folded gradients after the bucket's reduction ha
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -100,9 +101,8 @@ class Sync:
         return None
 
     def detach(self) -> None:
-        """Hand the wrapper's gradient synchronization back (the accumulator is gone): in the state the wrapper
-        keeps outside its own context managers (DDP: synchronizing; inside ``no_sync()``, whose exit restores its
-        saved value anyway, that is on until the block ends)."""
+        """Hand the wrapper's gradient synchronization back (the accumulator is gone), in the state the wrapper
+        keeps outside its own context managers (DDP: synchronizing)."""
         return None
 
     def same_model(self, other: Sync) -> bool:
@@ -130,6 +130,15 @@ class Sync:
 
     def check_window_end(self) -> None:
         """Raise if gradients of the window are still held back by the wrapper at its last micro-batch."""
+        return None
+
+    def holds_unreduced(self) -> bool:
+        """Whether the wrapper holds gradients of the window outside the buffers, not reduced yet (FSDP2 after
+        ``set_requires_gradient_sync(False)``)."""
+        return False
+
+    def drop_unreduced(self) -> None:
+        """Forget what ``holds_unreduced`` found (the window it belongs to is discarded)."""
         return None
 
     def unreduced_grads(self, held: set[int]) -> list[str]:
@@ -207,10 +216,21 @@ class DDPSync(Sync):
             self._model.require_backward_grad_sync = False
 
     def detach(self) -> None:
-        if self._attached:
-            # On, DDP's own setting outside no_sync() (which restores its saved value on exit anyway).
-            self._model.require_backward_grad_sync = True
-            self._attached = False
+        if not self._attached:
+            return
+        self._attached = False
+        model = self._model
+        model.require_backward_grad_sync = True  # DDP's own setting outside no_sync()
+        # Inside a no_sync() block entered while the accumulator lived, the block's exit puts back the value it saved
+        # then, off: on again at the next forward. Prepended, so that an accumulator built over the model since, whose
+        # own hook turns it off before every forward, still has the last word.
+        handle: torch.utils.hooks.RemovableHandle | None = None
+
+        def sync_on(module: torch.nn.Module, args: Any) -> None:
+            handle.remove()
+            module.require_backward_grad_sync = True
+
+        handle = model.register_forward_pre_hook(sync_on, prepend=True)
 
     def unreduced_grads(self, held: set[int]) -> list[str]:
         return [
@@ -341,24 +361,41 @@ class FSDPSync(Sync):
             group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce_grads
         self._user_sync = []
 
-    def check_window_end(self) -> None:
+    def _fsdp_params(self) -> Iterator[Any]:
         from torch.distributed.fsdp import FSDPModule
 
         for module in self._model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-            for fsdp_param in getattr(param_group, "fsdp_params", ()):
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
-                    unsharded is not None and unsharded.grad is not None
-                ):
-                    raise RuntimeError(
-                        "step(): FSDP still holds unreduced gradients at the window's last micro-batch (after "
-                        "set_requires_gradient_sync(False)); call model.set_requires_gradient_sync(True) before "
-                        "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does (given "
-                        "end_window=True on a driven window's last micro-batch)"
-                    )
+            if isinstance(module, FSDPModule):
+                param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+                yield from getattr(param_group, "fsdp_params", ())
+
+    def holds_unreduced(self) -> bool:
+        # What FSDP's post-backward reduce-scatters when the sync is on: an accumulated unsharded gradient, or the
+        # unsharded parameter's own.
+        for fsdp_param in self._fsdp_params():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
+                unsharded is not None and unsharded.grad is not None
+            ):
+                return True
+        return False
+
+    def drop_unreduced(self) -> None:
+        for fsdp_param in self._fsdp_params():
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+    def check_window_end(self) -> None:
+        if self.holds_unreduced():
+            raise RuntimeError(
+                "step(): FSDP still holds unreduced gradients at the window's last micro-batch (after "
+                "set_requires_gradient_sync(False)); call model.set_requires_gradient_sync(True) before "
+                "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does (given "
+                "end_window=True on a driven window's last micro-batch)"
+            )
 
 
 def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> Sync:

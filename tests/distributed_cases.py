@@ -620,8 +620,75 @@ def _misuse(rank: int) -> dict[str, str]:
     opt.zero_grad()
     del opt
     said.update(_fsdp_weight_cases(rank, x, y))
+    said.update(_fsdp_sync_off_cases(rank))
     said.update(_ddp_split_cases(rank))
+    said.update(_ddp_dropped_inside_no_sync(rank))
     return said
+
+
+def _fsdp_sync_off_cases(rank: int) -> dict[str, str]:
+    """FSDP2 with set_requires_gradient_sync(False) keeps a window's gradients itself, outside the buffers: a
+    mid-window checkpoint would lose them and flush() cannot reduce them (both refused, nothing changed); a
+    micro-batch dropped by zero_grad() must leave FSDP too (the window's first: it is the whole window), or a later
+    one is refused, since FSDP summed it with the earlier ones."""
+    import gafused
+
+    said: dict[str, str] = {}
+    fsdp = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), N, model=fsdp)
+    fsdp.set_requires_gradient_sync(False)
+    x, y = micro_batch(rank, 0, 0)
+    opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    said["fsdp sync off state_dict"] = _said(RuntimeError, opt.state_dict)
+    said["fsdp sync off flush"] = _said(RuntimeError, opt.flush)
+    x, y = micro_batch(rank, 0, 1)
+    opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+    said["fsdp sync off zero_grad later"] = _said(RuntimeError, opt.zero_grad)
+    opt.step()
+    said["fsdp sync off micro_step"] = str(opt.micro_step)
+    del opt
+
+    def window(dropped_first: bool) -> tuple[list[torch.Tensor], float]:
+        fsdp = _wrap("fsdp", rank)
+        opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), 2, model=fsdp)
+        fsdp.set_requires_gradient_sync(False)
+        if dropped_first:
+            x, y = micro_batch(rank, 1, 0)
+            opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+            opt.zero_grad()
+        for micro in (1, 2):
+            x, y = micro_batch(rank, 1, micro)
+            opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+            opt.step()
+        assert opt.stepped
+        return [_full(param) for param in fsdp.parameters()], float(opt.grad_norm)
+
+    params, norm = window(dropped_first=True)
+    clean_params, clean_norm = window(dropped_first=False)
+    equal = norm == clean_norm and all(torch.equal(a, b) for a, b in zip(params, clean_params, strict=True))
+    said["fsdp sync off zero_grad first"] = str(equal)
+    return said
+
+
+def _ddp_dropped_inside_no_sync(rank: int) -> dict[str, str]:
+    """An accumulator dropped inside a no_sync() block entered while it lived: the block's exit puts back the value
+    it saved (off); DDP synchronizes again from the next forward on (the replicas' gradients are equal)."""
+    import torch.distributed as dist
+
+    import gafused
+
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
+    with ddp.no_sync():
+        del opt
+        gc.collect()
+    x, y = micro_batch(rank, 0, 0)
+    token_losses(ddp, x, y).mean().backward()
+    grads = torch.cat([param.grad.reshape(-1) for param in ddp.parameters()])
+    gathered = [torch.empty_like(grads) for _ in range(WORLD)]
+    dist.all_gather(gathered, grads)
+    return {"ddp synchronizes after a drop inside no_sync": str(all(torch.equal(g, grads) for g in gathered))}
 
 
 def _ddp_split_cases(rank: int) -> dict[str, str]:

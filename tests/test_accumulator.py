@@ -1388,6 +1388,34 @@ def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
     torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("mistake", ["step() twice", "step(end_window=True) for flush()"])
+def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
+    """A step() with no backward since the last one would end an empty micro-batch of weight 1: the window's mean
+    diluted (k/(k+1)), with no error. Refused, nothing changed; a weight given says the empty micro-batch is meant."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3 if mistake == "step() twice" else None)
+    batches = _data([4, 4, 4])
+    for index, (x, y) in enumerate(batches):
+        end = mistake != "step() twice" and index == len(batches) - 1
+        if loop == "backward":
+            opt.backward(_loss(model, x, y), weight=len(x), end_window=end)
+            opt.step()
+        else:
+            _loss(model, x, y).backward()
+            opt.step(weight=len(x), end_window=end)
+        opt.zero_grad()
+        if index == 0 or end:
+            micro_step = opt.micro_step
+            with pytest.raises(RuntimeError, match=r"no gradient since the last step\(\).*weight 1"):
+                opt.step(end_window=end)
+            assert opt.micro_step == micro_step and opt.stepped == end  # nothing changed
+    assert opt.stepped
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    _assert_same_params(model, reference, 1e-12)
+    opt.step(weight=0)  # an empty micro-batch on purpose: counted, adding nothing
+    assert opt.micro_step == 1
+
+
 @pytest.mark.parametrize("how", ["by a closure", "through a wrapper"])
 def test_gradients_unscaled_by_a_closure_or_through_a_wrapper_are_refused(how):
     """scaler.unscale_ inside step(closure) (the check before the closure cannot see it), or through another object

@@ -286,6 +286,13 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "static_graph=False" in said["static graph"]
         assert said["static graph sync"] == "True"
         assert "_counting_allreduce_hook" in said["comm hook"] and "will not run" in said["comm hook"]
+        assert "FSDP holds this window's gradients unreduced" in said["fsdp sync off state_dict"]
+        refused = said["fsdp sync off flush"]
+        assert "FSDP holds" in refused and "end_window=True" in refused, refused  # on every rank
+        assert "already folded" in said["fsdp sync off zero_grad later"]
+        assert said["fsdp sync off micro_step"] == "2"  # the refusals changed nothing
+        assert said["fsdp sync off zero_grad first"] == "True"  # the dropped batch left FSDP too
+        assert said["ddp synchronizes after a drop inside no_sync"] == "True"
 
 
 def test_no_warning_without_distributed() -> None:

@@ -241,7 +241,7 @@ def test_step_with_a_closure_runs_it_with_grad_enabled_and_returns_its_result(in
         assert opt.stepped == plain.stepped
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert opt.step() is None  # without a closure step() returns None
+    assert opt.step(weight=0) is None  # without a closure step() returns None
 
 
 def test_a_bad_weight_is_refused_before_the_closure_runs():
@@ -258,7 +258,7 @@ def test_lr_scheduler_patches_step_and_sees_it_called():
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
     assert getattr(opt.step, "_wrapped_by_lr_sched", False)
     assert not getattr(opt, "_opt_called", False)
-    opt.step()  # a micro-step without gradients still counts as the optimizer's step() being called
+    opt.step(weight=0)  # a micro-step without gradients still counts as the optimizer's step() being called
     assert opt._opt_called
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -944,7 +944,7 @@ def test_failure_inside_the_inner_load_changes_nothing_of_the_window(monkeypatch
     _, source = _mid_window()
     state = source.state_dict()
     _, target = _mid_window()
-    target.step()  # micro_step 2 while the checkpoint holds 1
+    target.step(weight=1)  # an empty micro-batch: micro_step 2 while the checkpoint holds 1
     before = _everything(target)
 
     def broken(_):

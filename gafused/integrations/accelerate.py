@@ -148,6 +148,9 @@ class AcceleratedGradAccumulator(AcceleratedOptimizer):
         # scales the loss and updates the scaler itself, once per window.
         super().__init__(accumulator, device_placement=False, scaler=None)
         self.accumulator = accumulator
+        # A block that runs no backward and still calls step() is a micro-batch of weight 1, as Accelerate's
+        # division by gradient_accumulation_steps counts it (a second such step() in a block is refused here).
+        accumulator._counts_empty_steps = True
         self._is_accelerate_prepared = True
         self._num_processes = num_processes
         self._loaded_window: dict[str, Any] | None = None  # this rank's window, read by the load-state hook
