@@ -198,6 +198,8 @@ class GradAccumulator(torch.optim.Optimizer):
     # mean); an adapter whose framework counts such a micro-batch with weight 1 (Accelerate) sets this.
     _counts_empty_steps = False
 
+    # Built under torch.inference_mode(), its tensors would be inference tensors, which no fold may update later.
+    @torch.inference_mode(False)
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -386,6 +388,12 @@ class GradAccumulator(torch.optim.Optimizer):
         seen: dict[int, str] = {}
         for group_index, param_group in enumerate(optimizer.param_groups):
             for param_index, param in enumerate(param_group["params"]):
+                if torch.nn.parameter.is_lazy(param):
+                    raise ValueError(
+                        f"param_groups[{group_index}]['params'][{param_index}]: parameters must have a shape, got an "
+                        "uninitialized one of a lazy module; run one forward (or the module's initialize_parameters) "
+                        "before building GradAccumulator"
+                    )
                 name = f"param_groups[{group_index}]['params'][{param_index}] (shape {tuple(param.shape)})"
                 if id(param) in seen:
                     raise ValueError(
@@ -520,6 +528,19 @@ class GradAccumulator(torch.optim.Optimizer):
             f"normalization={self.normalization!r}, max_grad_norm={self.max_grad_norm}, "
             f"accum_dtype={self.accum_dtype}, backend={self.backend!r}, micro_step={self.micro_step})"
         )
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
+        """Register ``hook(optimizer, args, kwargs) -> None``, called once per inner step, just before it, with the
+        finished, clipped gradient in ``p.grad`` (never on a micro-step that only folds, nor on a skipped window).
+
+        Unlike ``torch.optim.Optimizer``'s, the hook cannot change the step's arguments: the inner step takes none.
+        It is called with ``()`` and ``{}`` and must return None (or those, unchanged); any other result raises
+        at the window's end, discarding the window.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return super().register_step_pre_hook(hook)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the buffers are laid out for the parameters the accumulator was built with.
@@ -713,7 +734,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 (checked on the device, like a device tensor); refused after ``backward()``, which takes it.
                 Keyword only. A tensor stays on its device: no host sync. A CPU tensor or number is checked here; a
                 device tensor is checked on the device and a bad value raises at the end of the window (where the
-                one host sync of the step happens), discarding that window.
+                one host sync of the step happens), discarding that window. A step() with no gradient since the
+                last one and no weight is refused (it would count an empty micro-batch of weight 1: a step() called
+                twice, or ``step(end_window=True)`` where ``flush()`` was meant); ``weight=0`` counts one on purpose.
             end_window: this micro-batch is the window's last, whatever ``accumulation_steps`` says: the window is
                 finished now (a framework's sync step, the partial last window of an epoch).
 
@@ -1553,10 +1576,10 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._skip_window(None)
                 return
             for pre_hook in list(self._optimizer_step_pre_hooks.values()):
-                if pre_hook(self, (), {}) is not None:
+                if not _no_new_step_arguments(pre_hook(self, (), {})):
                     raise RuntimeError(
-                        "a GradAccumulator step pre-hook must return None: it runs before the inner step, which "
-                        "takes no arguments to change"
+                        "a GradAccumulator step pre-hook must return None (or the empty arguments it was given): it "
+                        "runs before the inner step, which takes no arguments to change"
                     )
             self.optimizer.step()
         except BaseException as error:
@@ -1775,7 +1798,13 @@ class GradAccumulator(torch.optim.Optimizer):
             if self.micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
                 # Each segment in its parameter's row-major order, whatever the memory format: the checkpoint loads
                 # into the model in either (model.to(memory_format=...) before or after resuming).
-                entry["segments"] = torch.cat([group.buffer.view(i).reshape(-1) for i in range(len(group.params))])
+                # Copied into one tensor view by view: a permuted segment's reshape would be a copy of its own.
+                buffer = group.buffer
+                segments = buffer.data.new_empty(sum(buffer.numels))
+                for index, start in enumerate(_running_starts(buffer.numels)):
+                    view = buffer.view(index)
+                    segments[start : start + view.numel()].view(view.shape).copy_(view)
+                entry["segments"] = segments
             window["buffers"].append(entry)
         state_dict = {**self.optimizer.state_dict(), "gafused": window}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -2212,6 +2241,21 @@ def _warn_of_frozen_parameters(groups: list[_Group]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _no_new_step_arguments(result: Any) -> bool:
+    """Whether a step pre-hook's result leaves the inner step's arguments as they were (none): None, or the empty
+    ``(args, kwargs)`` it was called with, which a hook written for any optimizer may hand back."""
+    if result is None:
+        return True
+    return (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and isinstance(result[0], (tuple, list))
+        and len(result[0]) == 0
+        and isinstance(result[1], dict)
+        and not result[1]
+    )
 
 
 def _add_note(error: BaseException, note: str) -> None:

@@ -107,10 +107,14 @@ class FlatGradBuffer:
         params: parameters of one device, in the order the segments are laid out.
         accum_dtype: dtype of the buffer, ``torch.float32`` or ``torch.float64``.
         alignment_bytes: every segment starts at a multiple of this many bytes (at least 16, a power of two).
-        bucket_bytes: buckets are runs of segments of about this many bytes of the buffer (a segment larger
-            than that is a bucket of its own).
+        bucket_bytes: buckets are runs of consecutive segments, cut from the last segment backwards as soon as a
+            run reaches this many bytes of the buffer: each holds at least that many (all but the one with segment
+            0), and less than that many plus the bytes of its own first segment (a segment larger than
+            ``bucket_bytes`` closes the run of smaller segments after it).
     """
 
+    # Built under torch.inference_mode(), its tensors would be inference tensors, which no fold may update later.
+    @torch.inference_mode(False)
     def __init__(
         self,
         params: Sequence[torch.Tensor],

@@ -1416,6 +1416,48 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
     assert opt.micro_step == 1
 
 
+def test_an_accumulator_built_under_inference_mode_trains(loop):
+    """Built inside torch.inference_mode() (as a plain optimizer can be), its buffers are ordinary tensors: the
+    folds outside it work (they failed on inference tensors, every window discarded)."""
+    model, reference = _model(), _model()
+    with torch.inference_mode():
+        opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    assert not any(buffer.data.is_inference() for buffer in opt.buffers)
+    batches = _data([3, 5])
+    for x, y in batches:
+        micro_batch(opt, _loss(model, x, y), loop, weight=len(x))
+    assert opt.stepped
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    _assert_same_params(model, reference, 1e-12)
+
+
+def test_uninitialized_lazy_parameters_are_refused_by_position():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\]: .*lazy module; run one forward"):
+        GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model(torch.randn(2, 5))
+    GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+
+
+def test_a_step_pre_hook_may_hand_back_its_empty_arguments():
+    """A pre-hook written for any optimizer may return the (args, kwargs) it got: no change, so the window steps;
+    new arguments are still refused (the inner step takes none), discarding the window."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    handle = opt.register_step_pre_hook(lambda optimizer, args, kwargs: (args, kwargs))
+    x, y = _data([3])[0]
+    micro_batch(opt, _loss(model, x, y), "step", weight=3)
+    assert opt.stepped
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), [(x, y)])
+    _assert_same_params(model, reference, 1e-12)
+    handle.remove()
+    opt.register_step_pre_hook(lambda optimizer, args, kwargs: ((), {"closure": None}))
+    with pytest.raises(RuntimeError, match="step pre-hook must return None"):
+        micro_batch(opt, _loss(model, x, y), "step", weight=3)
+    assert opt.micro_step == 0 and not opt.stepped
+    assert "cannot change the step's arguments" in GradAccumulator.register_step_pre_hook.__doc__
+
+
 @pytest.mark.parametrize("how", ["by a closure", "through a wrapper"])
 def test_gradients_unscaled_by_a_closure_or_through_a_wrapper_are_refused(how):
     """scaler.unscale_ inside step(closure) (the check before the closure cannot see it), or through another object

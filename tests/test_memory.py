@@ -144,3 +144,25 @@ def test_end_to_end_recipes_hold_no_more_than_plain_accumulation_but_a_few_scala
     assert rows["plain"]["peak_bytes"] > 1_000_000  # the model, AdamW's state and the gradients were all seen
     for recipe in ("gafused", "gafused backward"):
         assert rows[recipe]["over_plain_bytes"] <= 64, rows[recipe]
+
+
+def test_a_mid_window_state_dict_holds_one_copy_of_the_buffer_in_either_memory_format():
+    """The window is saved row-major: each channels_last segment is copied straight into the one saved tensor (a
+    list of reshaped copies, then torch.cat, held the buffer twice)."""
+    from gafused import GradAccumulator
+
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 3, bias=False) for _ in range(4)])
+        model = model.to(memory_format=memory_format)
+        opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 4)
+        opt.backward(model(torch.randn(1, 8, 12, 12).to(memory_format=memory_format)).square().mean())
+        opt.step()
+        opt.zero_grad()
+        saved_bytes = sum(opt.buffers[0].numels) * 4
+        with memory.track_peak(torch.device("cpu")) as tracker:
+            tracker.mark()
+            state = opt.state_dict()
+            del state
+        # The saved tensor, and a few bytes of Python-side bookkeeping tensors at most.
+        assert saved_bytes <= tracker.peak_after_mark() < saved_bytes + 1024, (memory_format, tracker.peak_after_mark())
