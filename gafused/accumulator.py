@@ -1374,7 +1374,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 weight = weight.detach()
             # Copies (copy=True): a float64 tensor on the home device would otherwise be kept as it is, and the
             # caller's later in-place change (a reused token counter) would change this micro-batch's weight.
-            if weight.device.type == "cpu":  # checking costs no device sync
+            if _checked_on_host(weight.device):
                 self._check_weight_value(weight.item())
                 return weight.to(device=self._home, dtype=torch.float64, copy=True), None
             w = ops.to_device(weight, self._home, torch.float64, copy=True)
@@ -2241,6 +2241,12 @@ def _warn_of_frozen_parameters(groups: list[_Group]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _checked_on_host(device: torch.device) -> bool:
+    """Whether a tensor weight on ``device`` is checked when it is given, where reading it costs no device sync
+    (CPU), rather than flagged on the device and checked at the window's end, with the step's one host sync."""
+    return device.type == "cpu"
 
 
 def _no_new_step_arguments(result: Any) -> bool:

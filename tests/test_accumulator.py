@@ -960,15 +960,19 @@ def test_end_window_and_weight_arguments_are_checked():
     assert opt.stepped
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), 1e39, 1e-39], ids=str)
-def test_device_tensor_weight_checked_at_window_end(bad):
-    model = _model(torch.float32).cuda()
+def test_device_tensor_weight_checked_at_window_end(bad, device, monkeypatch):
+    """A device tensor weight is not read when given (a host sync): it is flagged on the device and refused at the
+    window's end, the window discarded. On CPU, where it is read at once, the device path is forced."""
+    if device == "cpu":
+        monkeypatch.setattr(gafused.accumulator, "_checked_on_host", lambda device: False)
+    model = _model(torch.float32).to(device)
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
     before = [p.detach().clone() for p in model.parameters()]
     for index, (x, y) in enumerate(_data([2, 2], dtype=torch.float32, seed=130)):
-        _loss(model, x.cuda(), y.cuda()).backward()
-        weight = torch.tensor(bad if index == 0 else 2.0, dtype=torch.float64, device="cuda")
+        _loss(model, x.to(device), y.to(device)).backward()
+        weight = torch.tensor(bad if index == 0 else 2.0, dtype=torch.float64, device=device)
         if index == 0:
             opt.step(weight=weight)  # no host sync: the check waits for the end of the window
         else:

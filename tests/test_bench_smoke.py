@@ -43,9 +43,12 @@ class _NoCount:
 _CPU_PROVIDERS = [name for name in providers.provider_names(torch.device("cpu")) if name != "compiled"]
 
 
+@pytest.mark.parametrize("clipped", [True, False], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", _CPU_PROVIDERS)
-def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype) -> None:
+def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype, clipped: bool) -> None:
+    """Clipped, the finished gradient is the mean's direction at MAX_GRAD_NORM whatever its scale; unclipped, it is
+    the mean itself, which a missing 1/N or weight sum would miss."""
     param_set = param_sets.gpt2(hidden=8, layers=1, vocab=37, positions=5, name="tiny")
     generator = torch.Generator().manual_seed(1)
     # One gradient set per micro-batch, so the window folds each exactly once, in order.
@@ -54,7 +57,8 @@ def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype
         for _ in range(ACCUMULATION_STEPS)
     ]
     params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape in param_set.shapes]
-    provider = providers.make_provider(name, params, pool, ACCUMULATION_STEPS, MAX_GRAD_NORM)
+    max_norm = MAX_GRAD_NORM if clipped else 1e6
+    provider = providers.make_provider(name, params, pool, ACCUMULATION_STEPS, max_norm)
     if name.startswith("gafused-"):
         assert provider.accumulator.backend == name.removeprefix("gafused-")
 
@@ -65,8 +69,8 @@ def test_provider_finishes_the_window_like_float64(name: str, dtype: torch.dtype
 
     mean = [sum(grads[i].double() for grads in pool) / ACCUMULATION_STEPS for i in range(len(params))]
     norm = torch.sqrt(sum(g.square().sum() for g in mean))
-    assert norm > MAX_GRAD_NORM, "the clip must be active for this test to check it"
-    coef = MAX_GRAD_NORM / (norm + 1e-6)
+    assert (norm > max_norm) == clipped, "the clip must be active exactly where the test checks it"
+    coef = min(1.0, max_norm / (norm + 1e-6))
     for param, expected in zip(params, mean, strict=True):
         assert param.grad is not None and param.grad.dtype == dtype
         torch.testing.assert_close(param.grad, (expected * coef).to(dtype))
