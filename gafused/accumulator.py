@@ -198,8 +198,6 @@ class GradAccumulator(torch.optim.Optimizer):
     # mean); an adapter whose framework counts such a micro-batch with weight 1 (Accelerate) sets this.
     _counts_empty_steps = False
 
-    # Built under torch.inference_mode(), its tensors would be inference tensors, which no fold may update later.
-    @torch.inference_mode(False)
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -1375,8 +1373,10 @@ class GradAccumulator(torch.optim.Optimizer):
             # Copies (copy=True): a float64 tensor on the home device would otherwise be kept as it is, and the
             # caller's later in-place change (a reused token counter) would change this micro-batch's weight.
             if _checked_on_host(weight.device):
-                self._check_weight_value(weight.item())
-                return weight.to(device=self._home, dtype=torch.float64, copy=True), None
+                value = weight.item()
+                self._check_weight_value(value)
+                # From the value read: a copy of the CPU tensor to a GPU would wait for the device (a host sync).
+                return torch.full((), value, dtype=torch.float64, device=self._home), None
             w = ops.to_device(weight, self._home, torch.float64, copy=True)
             tiny, top, _ = self._weight_range
             return w, ~((w == 0) | ((w >= tiny) & (w <= top)))  # nan fails every comparison
@@ -2190,9 +2190,10 @@ def _release_before_accumulation(param: torch.Tensor, view: torch.Tensor):
 
 
 def _lr_value(lr: Any) -> Any:
-    """A learning rate as a comparable value: tensors on the CPU by value (no device sync), others by identity."""
+    """A learning rate as a comparable value: tensors on the CPU by value (no device sync), others by identity and
+    version (schedulers change a tensor learning rate in place, which bumps its version counter)."""
     if isinstance(lr, torch.Tensor):
-        return lr.item() if lr.device.type == "cpu" and lr.numel() == 1 else ("tensor", id(lr))
+        return lr.item() if _checked_on_host(lr.device) and lr.numel() == 1 else ("tensor", id(lr), lr._version)
     return lr
 
 
@@ -2222,7 +2223,7 @@ def _is_real(value: Any) -> bool:
 
 def _by_identity(value: Any) -> bool:
     """Whether ``_lr_value`` recorded a tensor by identity (a tuple or, after a torch.save round trip, a list)."""
-    return isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "tensor"
+    return isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] == "tensor"
 
 
 def _warn_of_frozen_parameters(groups: list[_Group]) -> None:

@@ -1140,6 +1140,52 @@ def test_parameter_swapped_before_a_closure_that_ends_the_window_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_device_tensor_learning_rate_changed_in_place_inside_a_window_warns(device, monkeypatch):
+    """A device-tensor learning rate is not read (a host sync): it is compared by identity and version, so a
+    scheduler that changes it in place (fill_) every micro-batch is still seen (by identity alone it was not). On
+    CPU, where it is read, the device path is forced."""
+    if device == "cpu":
+        monkeypatch.setattr(gafused.accumulator, "_checked_on_host", lambda device: False)
+    model = _model(torch.float32).to(device)
+    inner = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device=device), foreach=False)
+    opt = GradAccumulator(inner, accumulation_steps=2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    lr = inner.param_groups[0]["lr"]
+    with pytest.warns(UserWarning, match="learning rate changed inside an accumulation window"):
+        for x, y in _data([2] * 2, dtype=torch.float32, seed=101):
+            _loss(model, x.to(device), y.to(device)).backward()
+            opt.step(weight=2)
+            scheduler.step()  # the mistake: stepped every micro-batch
+    assert inner.param_groups[0]["lr"] is lr  # changed in place, the same tensor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["step", "backward"])
+@pytest.mark.parametrize("weight", ["number", "cpu tensor", "cuda tensor"])
+def test_a_middle_micro_step_makes_no_host_sync(loop, weight):
+    """No host sync per micro-step, whatever the weight is given as: a CPU tensor's value is read on the host and
+    not copied to the device (a blocking copy would wait for the queued backward)."""
+    model = _model(torch.float32).cuda()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    batches = [(x.cuda(), y.cuda()) for x, y in _data([3] * 6, dtype=torch.float32, seed=8)]
+    given = {
+        "number": lambda: 3.0,
+        "cpu tensor": lambda: torch.tensor(3),
+        "cuda tensor": lambda: torch.tensor(3.0, device="cuda"),
+    }[weight]
+    for index, (x, y) in enumerate(batches):
+        middle = index == 5  # a window's second micro-step, after one whole window made the tables
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if middle else "default")
+        try:
+            micro_batch(opt, _loss(model, x, y), loop, weight=given())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+    assert opt.micro_step == 2
+
+
 @pytest.mark.gpu
 def test_device_tensor_learning_rate_does_not_warn_after_a_mid_window_checkpoint():
     """A GPU-tensor learning rate is compared by identity (no sync): after a load, the loaded optimizer's tensor

@@ -209,7 +209,7 @@ def test_a_pre_hook_returning_arguments_is_refused_and_the_window_discarded():
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
     before = [p.detach().clone() for p in model.parameters()]
-    opt.register_step_pre_hook(lambda optimizer, args, kwargs: (args, kwargs))
+    opt.register_step_pre_hook(lambda optimizer, args, kwargs: (args, {**kwargs, "closure": None}))
     with pytest.raises(RuntimeError, match="pre-hook must return None"):
         for x, y in _micro_batches(2):
             _loss(model, x, y).backward()
