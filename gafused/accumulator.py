@@ -323,6 +323,8 @@ class GradAccumulator(torch.optim.Optimizer):
         # Across ranks: per parameter, how many ranks gave it a gradient in the window, then per bucket, how many
         # folded late (float64, home device); read at the window's one host sync.
         self._rank_flags: torch.Tensor | None = None
+        # What FSDP (its sync off) held unreduced when the last micro-batch ended (Sync.unreduced_fingerprint).
+        self._unreduced_seen: Any = None
         self._model_hook: torch.utils.hooks.RemovableHandle | None = None
         if model is not None:
             self._model_hook = model.register_forward_pre_hook(_before_model_forward(self))
@@ -828,13 +830,16 @@ class GradAccumulator(torch.optim.Optimizer):
             and weight is None
             and all(grad is None for group in grads for grad in group)
             and not self._counts_empty_steps
-            and not self._sync.holds_unreduced()  # FSDP keeps them while its sync is off
+            # A window of frozen parameters has no gradients to give (plain PyTorch's step() does nothing then).
+            and any(param.requires_grad for group in self._groups for param in group.params)
+            and not self._unreduced_since_step()  # FSDP with its sync off keeps them itself
         ):
             raise RuntimeError(
-                "step(): no gradient since the last step() (no backward() or loss.backward() ran): it would count "
+                "step(): no parameter of the accumulator received a gradient since the last step(): it would count "
                 "an empty micro-batch of weight 1, diluting the window's mean (a step() called twice, or "
                 "step(end_window=True) where flush() was meant). Run this micro-batch's backward first; to count a "
-                "micro-batch without gradients on purpose, give its weight: step(weight=w) (weight=0 adds nothing)"
+                "micro-batch without gradients on purpose, give its weight: step(weight=w) (a window whose weights "
+                "are all 0 is skipped)"
             )
         self._check_lr_unchanged()
 
@@ -869,6 +874,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 del grads  # the last micro-batch's gradients must not outlive the fold (memory)
         self.micro_step += 1
         self.stepped = False
+        self._unreduced_seen = self._sync.unreduced_fingerprint()
         if last:
             with self._discarded_on_failure("the window's end failed", unless_ended=True):
                 if self._global:
@@ -1016,7 +1022,22 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._discard_window()  # the window is this micro-batch alone
                 return
             self._close_micro_batch()
+        elif self._unreduced_since_step():  # loss.backward() under FSDP with its sync off: the gradients are FSDP's
+            if self.micro_step > 0:
+                raise RuntimeError(
+                    f"zero_grad(): FSDP holds this micro-batch's gradients (micro-batch {self.micro_step + 1} of the "
+                    "window, its sync off) summed with the window's earlier ones, where they cannot be told apart; "
+                    "nothing changed. End it with step()"
+                )
+            self._discard_window()  # the window's first: FSDP holds it alone
+            return
         self._release_grads()
+
+    def _unreduced_since_step(self) -> bool:
+        """Whether FSDP (its sync off) holds gradients that arrived since the last ``step()``: a micro-batch whose
+        ``loss.backward()`` ran, though no parameter's ``.grad`` shows it."""
+        held = self._sync.unreduced_fingerprint()
+        return held is not None and held != self._unreduced_seen
 
     def _release_grads(self) -> None:
         self._release_published()
@@ -1721,6 +1742,7 @@ class GradAccumulator(torch.optim.Optimizer):
     def _discard_window(self) -> None:
         self._drop_reductions()
         self._sync.drop_unreduced()
+        self._unreduced_seen = None
         self._release_grads()
         self._micro = None
         for group in self._groups:
@@ -1843,6 +1865,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._release_published()
         self._drop_reductions()  # an interrupted last micro-batch's reductions and late parts: not this window's
         self._sync.drop_unreduced()  # nor what FSDP holds back of the window open before
+        self._unreduced_seen = None
         for group in self._groups:
             for param in group.params:
                 param.grad = None

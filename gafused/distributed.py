@@ -24,6 +24,7 @@ and per bucket whether the rank folded gradients after the bucket's reduction ha
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -141,6 +142,10 @@ class Sync:
         """Forget what ``holds_unreduced`` found (the window it belongs to is discarded)."""
         return None
 
+    def unreduced_fingerprint(self) -> Any:
+        """What the wrapper holds unreduced, as a value that changes when a backward adds to it (None: nothing)."""
+        return None
+
     def unreduced_grads(self, held: set[int]) -> list[str]:
         """The names of the model's parameters holding a gradient that the wrapper would have reduced but, with
         its synchronization taken over, nothing reduces: those whose ids are not in ``held`` (the parameters of
@@ -163,6 +168,23 @@ def _ddp_reduced(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, param in model.module.named_parameters()
         if name not in ignored and id(param) not in skipped
     ]
+
+
+class _NoSyncHandingBack:
+    """DDP's ``no_sync()`` on a model whose synchronization accumulators took over (an instance attribute while
+    they live): after the block, synchronizing again if they handed it back meanwhile, since the block's exit
+    restored the value it saved when it was entered, off."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        model = self._model
+        with type(model).no_sync(model):
+            yield
+        if vars(model).get("no_sync") is not self:  # removed by DDPSync.detach
+            model.require_backward_grad_sync = True
 
 
 class DDPSync(Sync):
@@ -206,8 +228,14 @@ class DDPSync(Sync):
 
     def attach(self) -> None:
         # Off while the accumulator lives: the window's micro-batches send nothing.
-        self._model.require_backward_grad_sync = False
+        model = self._model
+        model.require_backward_grad_sync = False
         self._attached = True
+        # A no_sync() block entered now saves that value (off) and puts it back at its exit: if the accumulator is
+        # handed back inside the block, the exit would leave DDP unsynchronized for good. The instance's no_sync
+        # turns it on again after such an exit; it goes when the last accumulator over the model does.
+        if "no_sync" not in vars(model):
+            model.no_sync = _NoSyncHandingBack(model)
 
     def before_forward(self) -> None:
         # DDP decides at its forward whether the backward all-reduces. Off again before each one: the exit of a
@@ -221,16 +249,8 @@ class DDPSync(Sync):
         self._attached = False
         model = self._model
         model.require_backward_grad_sync = True  # DDP's own setting outside no_sync()
-        # Inside a no_sync() block entered while the accumulator lived, the block's exit puts back the value it saved
-        # then, off: on again at the next forward. Prepended, so that an accumulator built over the model since, whose
-        # own hook turns it off before every forward, still has the last word.
-        handle: torch.utils.hooks.RemovableHandle | None = None
-
-        def sync_on(module: torch.nn.Module, args: Any) -> None:
-            handle.remove()
-            module.require_backward_grad_sync = True
-
-        handle = model.register_forward_pre_hook(sync_on, prepend=True)
+        if isinstance(vars(model).get("no_sync"), _NoSyncHandingBack):
+            del model.no_sync
 
     def unreduced_grads(self, held: set[int]) -> list[str]:
         return [
@@ -369,16 +389,24 @@ class FSDPSync(Sync):
                 param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
                 yield from getattr(param_group, "fsdp_params", ())
 
-    def holds_unreduced(self) -> bool:
+    def _held(self) -> Iterator[torch.Tensor]:
         # What FSDP's post-backward reduce-scatters when the sync is on: an accumulated unsharded gradient, or the
         # unsharded parameter's own.
         for fsdp_param in self._fsdp_params():
+            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if accumulated is not None:
+                yield accumulated
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
-                unsharded is not None and unsharded.grad is not None
-            ):
-                return True
-        return False
+            if unsharded is not None and unsharded.grad is not None:
+                yield unsharded.grad
+
+    def holds_unreduced(self) -> bool:
+        return next(self._held(), None) is not None
+
+    def unreduced_fingerprint(self) -> Any:
+        # A backward adds to a held gradient in place (its version moves) or gives a new one (its identity).
+        held = tuple((id(grad), grad._version) for grad in self._held())
+        return held or None
 
     def drop_unreduced(self) -> None:
         for fsdp_param in self._fsdp_params():

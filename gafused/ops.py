@@ -77,6 +77,8 @@ def _load(name: str) -> ModuleType | None:
         return _loaded[name]
     if name in _import_errors:
         return None
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     try:
         # Import statements, which torch.compile runs while it traces: an op whose backend is first loaded inside a
         # compiled function does not break its graph there (importlib is a function Dynamo leaves to eager Python).

@@ -649,25 +649,39 @@ def _fsdp_sync_off_cases(rank: int) -> dict[str, str]:
     said["fsdp sync off micro_step"] = str(opt.micro_step)
     del opt
 
-    def window(dropped_first: bool) -> tuple[list[torch.Tensor], float]:
+    def window(loop: str, dropped_first: bool) -> tuple[list[torch.Tensor], float]:
+        """A window of 3 with FSDP's sync off but for the last backward (the step loop unweighted), after a first
+        micro-batch dropped by zero_grad() between its backward and step(), or not."""
         fsdp = _wrap("fsdp", rank)
-        opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), 2, model=fsdp)
-        fsdp.set_requires_gradient_sync(False)
+        opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), 3, model=fsdp)
+
+        def backward(micro: int) -> None:
+            x, y = micro_batch(rank, 1, micro, weighted=loop == "backward")
+            if loop == "backward":
+                fsdp.set_requires_gradient_sync(False)  # opt.backward turns it on for the window's last
+                opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+            else:
+                fsdp.set_requires_gradient_sync(micro == 3)
+                token_losses(fsdp, x, y).mean().backward()
+
         if dropped_first:
-            x, y = micro_batch(rank, 1, 0)
-            opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+            backward(0)
             opt.zero_grad()
-        for micro in (1, 2):
-            x, y = micro_batch(rank, 1, micro)
-            opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+        for micro in (1, 2, 3):
+            backward(micro)
+            if micro == 2 and dropped_first:
+                said[f"fsdp sync off zero_grad later ({loop} loop)"] = _said(RuntimeError, opt.zero_grad)
             opt.step()
+            if micro == 1 and dropped_first:  # nothing since: FSDP holds the gradients, no p.grad shows them
+                said[f"fsdp sync off step twice ({loop} loop)"] = _said(RuntimeError, opt.step)
         assert opt.stepped
         return [_full(param) for param in fsdp.parameters()], float(opt.grad_norm)
 
-    params, norm = window(dropped_first=True)
-    clean_params, clean_norm = window(dropped_first=False)
-    equal = norm == clean_norm and all(torch.equal(a, b) for a, b in zip(params, clean_params, strict=True))
-    said["fsdp sync off zero_grad first"] = str(equal)
+    for loop in ("backward", "step"):
+        params, norm = window(loop, dropped_first=True)
+        clean_params, clean_norm = window(loop, dropped_first=False)
+        equal = norm == clean_norm and all(torch.equal(a, b) for a, b in zip(params, clean_params, strict=True))
+        said[f"fsdp sync off zero_grad first ({loop} loop)"] = str(equal)
     return said
 
 
@@ -684,11 +698,28 @@ def _ddp_dropped_inside_no_sync(rank: int) -> dict[str, str]:
         del opt
         gc.collect()
     x, y = micro_batch(rank, 0, 0)
+
+    def replicas_equal() -> str:
+        grads = torch.cat([param.grad.reshape(-1) for param in ddp.parameters()])
+        gathered = [torch.empty_like(grads) for _ in range(WORLD)]
+        dist.all_gather(gathered, grads)
+        return str(all(torch.equal(g, grads) for g in gathered))
+
     token_losses(ddp, x, y).mean().backward()
-    grads = torch.cat([param.grad.reshape(-1) for param in ddp.parameters()])
-    gathered = [torch.empty_like(grads) for _ in range(WORLD)]
-    dist.all_gather(gathered, grads)
-    return {"ddp synchronizes after a drop inside no_sync": str(all(torch.equal(g, grads) for g in gathered))}
+    said = {"ddp synchronizes after a drop inside no_sync": replicas_equal()}
+    # Dropped outside a block, nothing of the accumulator stays: plain DDP then accumulates inside no_sync() as it
+    # likes, also with uneven local counts (rank 0 two micro-batches, rank 1 one), and synchronizes at the end.
+    ddp.zero_grad()
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
+    del opt
+    gc.collect()
+    said["ddp no_sync after a drop"] = str("no_sync" not in vars(ddp))
+    with ddp.no_sync():
+        for _ in range(rank + 1):
+            token_losses(ddp, x, y).mean().backward()
+    token_losses(ddp, x, y).mean().backward()
+    said["ddp uneven no_sync after a drop"] = replicas_equal()
+    return said
 
 
 def _ddp_split_cases(rank: int) -> dict[str, str]:

@@ -1456,7 +1456,7 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
         opt.zero_grad()
         if index == 0 or end:
             micro_step = opt.micro_step
-            with pytest.raises(RuntimeError, match=r"no gradient since the last step\(\).*weight 1"):
+            with pytest.raises(RuntimeError, match=r"received a gradient since the last step\(\).*weight 1"):
                 opt.step(end_window=end)
             assert opt.micro_step == micro_step and opt.stepped == end  # nothing changed
     assert opt.stepped
@@ -1464,6 +1464,28 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
     _assert_same_params(model, reference, 1e-12)
     opt.step(weight=0)  # an empty micro-batch on purpose: counted, adding nothing
     assert opt.micro_step == 1
+
+
+def test_a_window_of_frozen_parameters_steps_without_gradients(loop):
+    """Every parameter of the accumulator frozen (a backbone during a warm-up, the head trained by another
+    optimizer): its steps have no gradient to fold and are not refused as steps without a backward; nothing moves."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model[0].parameters(), lr=0.1), 2)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model[0].requires_grad_(False)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    for x, y in _data([3, 4]):
+        loss = _loss(model, x, y)
+        if loop == "backward":
+            opt.backward(loss)
+            opt.step()
+        else:
+            loss.backward()
+            opt.step()
+        head.step()
+        head.zero_grad()
+    assert opt.micro_step == 0
+    assert all(torch.equal(p, b) for p, b in zip(model[0].parameters(), before, strict=True))
 
 
 def test_an_accumulator_built_under_inference_mode_trains(loop):

@@ -180,3 +180,10 @@ def test_graph_capture_is_refused(monkeypatch):
     assert asked == ["cuda:1"]  # the buffer's device's stream, not the current device's
     # CPU tensors never ask (the CPU build of torch cannot answer).
     assert ops._backend_for(torch.zeros(1), "foreach") is ops._module("foreach")
+
+
+def test_an_unknown_backend_name_reaching_a_registered_op_is_refused():
+    """torch.ops.gafused.* take the backend by name: a name that is no backend is refused, not taken for cuda."""
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'Foreach'"):
+        torch.ops.gafused.sum_of_squares(torch.zeros(8), [0], [8], False, "Foreach")
+    assert "Foreach" not in ops._import_errors

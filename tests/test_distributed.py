@@ -291,8 +291,14 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "FSDP holds" in refused and "end_window=True" in refused, refused  # on every rank
         assert "already folded" in said["fsdp sync off zero_grad later"]
         assert said["fsdp sync off micro_step"] == "2"  # the refusals changed nothing
-        assert said["fsdp sync off zero_grad first"] == "True"  # the dropped batch left FSDP too
+        for loop in ("backward", "step"):
+            assert said[f"fsdp sync off zero_grad first ({loop} loop)"] == "True", loop  # it left FSDP too
+            refused = said[f"fsdp sync off step twice ({loop} loop)"]
+            assert "no parameter of the accumulator received a gradient" in refused, (loop, refused)
+            refused = said[f"fsdp sync off zero_grad later ({loop} loop)"]
+            assert ("already folded" if loop == "backward" else "FSDP holds") in refused, (loop, refused)
         assert said["ddp synchronizes after a drop inside no_sync"] == "True"
+        assert said["ddp no_sync after a drop"] == "True" and said["ddp uneven no_sync after a drop"] == "True"
 
 
 def test_no_warning_without_distributed() -> None:
