@@ -1416,6 +1416,19 @@ def test_a_loss_scale_changed_inside_a_window_unscales_each_micro_batch_with_its
     torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
 
 
+def _goes_on_after_the_refusal(opt, scaler, model, reference, batches):
+    """The corrected loop (scaler.scale(loss).backward(); opt.step(weight=w)) over ``batches``, one window: its norm
+    is the float64 big batch's."""
+    for x, y in batches:
+        scaler.scale(_loss(model, x, y)).backward()
+        opt.step(weight=len(x))
+    assert opt.stepped
+    total = sum(len(x) for x, _ in batches)
+    sum(_loss(reference, x, y) * len(x) / total for x, y in batches).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+
+
 def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
     """The AMP recipe kept around the accumulator (scaler.step(opt); scaler.update()): scaler.step unscales p.grad,
     then calls opt.step(), which would divide by the scale again (a step 1/scale too small, silently). Refused; the
@@ -1429,13 +1442,7 @@ def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
         scaler.step(opt)
     assert opt.micro_step == 0
     opt.zero_grad()
-    for x, y in batches[1:]:
-        scaler.scale(_loss(model, x, y)).backward()
-        opt.step(weight=len(x))
-    assert opt.stepped
-    sum(_loss(reference, x, y) * len(x) / 6 for x, y in batches[1:]).backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-    torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
 
 
 @pytest.mark.parametrize("mistake", ["step() twice", "step(end_window=True) for flush()"])
@@ -1555,13 +1562,7 @@ def test_gradients_unscaled_by_a_closure_or_through_a_wrapper_are_refused(how):
             opt.step()
     assert opt.micro_step == 0 and all(p.grad is not None for p in model.parameters())
     opt.zero_grad()
-    for x, y in batches[1:]:
-        scaler.scale(_loss(model, x, y)).backward()
-        opt.step(weight=len(x))
-    assert opt.stepped
-    sum(_loss(reference, x, y) * len(x) / 6 for x, y in batches[1:]).backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-    torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
+    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
 
 
 def test_scaler_unscale_after_backward_folded_says_to_step_again():
