@@ -1842,9 +1842,10 @@ class GradAccumulator(torch.optim.Optimizer):
         The window is checked whole before anything changes: a refused checkpoint raises ValueError naming the bad
         field and leaves the accumulator and the inner optimizer as they were. Loading rolls back to the checkpoint:
         the open window is replaced, and with it a ``backward()`` awaiting its ``step()`` and every gradient no
-        ``step()`` folded (``p.grad`` is released), as after an interrupted micro-batch, which it recovers from. The inner optimizer's part goes to
-        its own ``load_state_dict``, which checks what torch checks. Load-state-dict hooks registered on the
-        accumulator run as ``torch.optim.Optimizer.load_state_dict`` runs them.
+        ``step()`` folded (``p.grad`` is released), as after an interrupted micro-batch, which it recovers from.
+        The inner optimizer's part goes to its own ``load_state_dict``, which checks what torch checks.
+        Load-state-dict hooks registered on the accumulator run as ``torch.optim.Optimizer.load_state_dict`` runs
+        them.
 
         Args:
             state_dict: a dict from ``state_dict()`` of an accumulator over the same parameters, or a plain
