@@ -1001,12 +1001,15 @@ def test_parameter_swapped_in_the_inner_optimizer_is_refused(loop, when):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def _micro_step(opt, model, x, y, loop):
+def _micro_step(opt, model, x, y, loop, scaler=None):
+    """One micro-batch weighted by its size in either loop; ``scaler``: the step-time loop scales the loss with it
+    (``opt.backward`` scales it with the accumulator's own)."""
     if loop == "backward":
         opt.backward(_loss(model, x, y), weight=len(x))
         opt.step()
     else:
-        _loss(model, x, y).backward()
+        loss = _loss(model, x, y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
         opt.step(weight=len(x))
     opt.zero_grad()
 
@@ -1020,27 +1023,13 @@ def test_mid_window_checkpoint_taken_under_a_loss_scale_resumes_exactly(loop, re
     reference = copy.deepcopy(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
-    x, y = batches[0]
-    if loop == "backward":
-        opt.backward(_loss(model, x, y), weight=len(x))
-        opt.step()
-    else:
-        scaler.scale(_loss(model, x, y)).backward()
-        opt.step(weight=len(x))
-    opt.zero_grad()
+    _micro_step(opt, model, *batches[0], loop, scaler)
     state = opt.state_dict()
 
     other = torch.amp.GradScaler("cpu", init_scale=2.0**16) if resumed_with != "no scaler" else None
     resumed = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=other)
     resumed.load_state_dict(state)
-    x, y = batches[1]
-    loss = _loss(model, x, y)
-    if loop == "backward":
-        resumed.backward(loss, weight=len(x))
-        resumed.step()
-    else:
-        (loss if other is None else other.scale(loss)).backward()
-        resumed.step(weight=len(x))
+    _micro_step(resumed, model, *batches[1], loop, other)
     assert resumed.stepped
     _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
     _assert_same_params(model, reference, 1e-12)
@@ -1404,12 +1393,7 @@ def test_a_loss_scale_changed_inside_a_window_unscales_each_micro_batch_with_its
     for index, (x, y) in enumerate(batches):
         if index == 1:
             scaler.update(2.0**14)
-        if loop == "backward":
-            opt.backward(_loss(model, x, y), weight=len(x))
-            opt.step()
-        else:
-            scaler.scale(_loss(model, x, y)).backward()
-            opt.step(weight=len(x))
+        _micro_step(opt, model, x, y, loop, scaler)
     assert opt.stepped
     sum(_loss(reference, x, y) * len(x) / 7 for x, y in batches).backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
