@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"end-to-end peak memory on CPU, exact: {run.model_name}, hidden {c.hidden}, {c.layers} layers, "
         f"seq {c.seq_len}, micro-batch {c.micro_batch} x {c.accumulation_steps}, "
-        f"bf16 autocast {not args.no_autocast}, AdamW, torch {torch.__version__}"
+        f"bf16 autocast {not args.no_autocast}, AdamW, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(f"{'recipe':<48} {'peak bytes':>14} {'over plain':>12}")
     for row in rows(mode, autocast=not args.no_autocast):

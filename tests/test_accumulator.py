@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gafused
-from gafused import GradAccumulator
+from gafused import GradAccumulator, ops
 
 from casekit import micro_batch, tanh_mlp
 
@@ -604,9 +604,25 @@ def test_constructor_rejects_non_optimizers_and_complex_parameters():
         GradAccumulator(torch.optim.SGD(groups, lr=0.1), accumulation_steps=2)
 
 
-def test_missing_backend_raises_with_install_command():
-    with pytest.raises(RuntimeError, match="To install it"):
+def test_missing_backend_raises_with_install_command(monkeypatch):
+    """A named backend that does not import says so and how to install it (as where gafused._C was not built)."""
+    monkeypatch.setattr(ops, "_loaded", {k: v for k, v in ops._loaded.items() if k != "cuda"})
+    monkeypatch.setattr(ops, "_import_errors", {**ops._import_errors, "cuda": ImportError("no module gafused._C")})
+    with pytest.raises(RuntimeError, match="failed to import.*To install it"):
         GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2, backend="cuda")
+
+
+def test_a_backend_that_imports_but_cannot_run_on_the_device_says_why_without_an_install_hint(monkeypatch):
+    """The triton backend imports wherever triton does (the cuda one only where gafused._C was built); on CPU
+    tensors without TRITON_INTERPRET it refuses, naming the reason, and installing nothing would help."""
+    pytest.importorskip("triton")
+    import gafused.triton_backend
+
+    monkeypatch.setattr(gafused.triton_backend, "_INTERPRETED", False)  # as where the kernels were compiled
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError) as refused:
+        GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2, backend="triton")
+    assert "TRITON_INTERPRET" in str(refused.value) and "To install it" not in str(refused.value)
 
 
 def test_env_backend_is_used_by_auto(monkeypatch):
@@ -1165,10 +1181,11 @@ def test_a_middle_micro_step_makes_no_host_sync(loop, weight):
     }[weight]
     for index, (x, y) in enumerate(batches):
         middle = index == 5  # a window's second micro-step, after one whole window made the tables
+        weight_given = given()  # made before the check: a CUDA tensor made from a number is a blocking copy itself
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if middle else "default")
         try:
-            micro_batch(opt, _loss(model, x, y), loop, weight=given())
+            micro_batch(opt, _loss(model, x, y), loop, weight=weight_given)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         opt.zero_grad()

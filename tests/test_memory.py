@@ -135,12 +135,20 @@ def test_fold_during_backward_bf16_is_no_higher_than_megatron_main_grad(peaks):
 def test_end_to_end_recipes_hold_no_more_than_plain_accumulation_but_a_few_scalars(autocast):
     """bench/e2e.py's recipes on its tiny GPT, tracked exactly (the figures bench/e2e_memory.py prints): both gafused
     loops peak within a few 0-d tensors (the window's weight sum, grad_norm, the micro-batch's weight and scale) of
-    plain PyTorch accumulation. This model's peak does not fall during backward (keeping folded gradients alive
-    there leaves it unchanged), so the test holds what the accumulator keeps at the optimizer step (no copies, no
-    stray gradients); gradients released during backward are held by the tests above."""
+    plain PyTorch accumulation. With up to 12 torch threads this model's peak does not fall during backward (keeping
+    folded gradients alive there leaves it unchanged), so the test holds what the accumulator keeps at the optimizer
+    step (no copies, no stray gradients); gradients released during backward are held by the tests above. From 16
+    threads on, CPU attention's backward scratch (per thread) moves the peak into backward, where both loops hold
+    the buffer beside the micro-batch's gradients of this model's one bucket (fp32: 34,444 bytes over plain, as
+    first seen on a 16-core GPU machine): the measurement runs on 4 threads, whatever the machine has."""
     import e2e_memory
 
-    rows = {row["recipe"].split(":")[0]: row for row in e2e_memory.rows("quick", autocast=autocast)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        rows = {row["recipe"].split(":")[0]: row for row in e2e_memory.rows("quick", autocast=autocast)}
+    finally:
+        torch.set_num_threads(threads)
     assert rows["plain"]["peak_bytes"] > 1_000_000  # the model, AdamW's state and the gradients were all seen
     for recipe in ("gafused", "gafused backward"):
         assert rows[recipe]["over_plain_bytes"] <= 64, rows[recipe]

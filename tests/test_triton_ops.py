@@ -750,5 +750,11 @@ def test_ops_on_a_side_stream_after_the_default_stream():
         on_side = _run_every_op(device, "triton", seed=9, keep=kept)
     torch.cuda.current_stream(device).wait_stream(side)
     _assert_same_results(on_side, expected)
-    streams = {key[0] for buffer in kept for key in _layout._cached[buffer.data].grads}
-    assert {torch.cuda.current_stream(device).stream_id, side.stream_id} <= streams
+    # Every table cached for the kept buffers' memory, found by address (the ops may be handed another tensor
+    # object over the same memory); each cache's keys start with the stream.
+    addresses = {buffer.data.data_ptr() for buffer in kept}
+    caches = [cached for acc, cached in list(_layout._cached.items()) if acc.data_ptr() in addresses]
+    keys = [key for cached in caches for key in (*cached.blocks, *cached.grads)]
+    keys += [key for cached in caches if cached.by_address is not None for key in cached.by_address.entries]
+    streams = {key[0] for key in keys}
+    assert {torch.cuda.current_stream(device).stream_id, side.stream_id} <= streams, (len(caches), keys)
