@@ -649,4 +649,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The ranks are gloo CPU processes forked after the frameworks' imports; a parent whose CUDA driver one of them
+    # initialized (asking whether a GPU is there) would fork children that hang in their first CUDA call. Nothing
+    # here runs on a GPU: none is made visible.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     raise SystemExit(main())

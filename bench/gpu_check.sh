@@ -147,8 +147,10 @@ phase_tests() {
   # (a segfault in an extension) fails alone: xdist replaces the worker and the rest of the suite still runs.
   local parallel=()
   "$python" -c "import xdist" >/dev/null 2>&1 && parallel=(-n 8 --dist loadfile)
-  # -v names every test as it ends, so a run cut off by its time limit still says which ones failed.
-  "$python" -m pytest tests -v -rfEs --durations=15 "${parallel[@]}" --junitxml="$out/gpu-tests.xml" 2>&1 | {
+  # -v names every test as it ends, so a run cut off by its time limit still says which ones failed; a test still
+  # running after 200 s has every thread's stack written to the log (pytest's faulthandler), so a hang says where.
+  "$python" -m pytest tests -v -rfEs --durations=15 -o faulthandler_timeout=200 "${parallel[@]}" \
+    --junitxml="$out/gpu-tests.xml" 2>&1 | {
     trap '' TERM  # as in log_tail: the log keeps every line pytest wrote before its time limit
     tee "$(log tests)" | grep -vE " (PASSED|SKIPPED) " | tail -60
   }

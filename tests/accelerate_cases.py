@@ -464,6 +464,10 @@ def report(by_world: dict[int, list[dict[str, Any]]]) -> str:
 
 
 if __name__ == "__main__":
+    # Every rank is a gloo CPU process, forked after the imports: a parent that had initialized the CUDA driver
+    # (Accelerate or transformers asking whether a GPU is there) would fork children that hang in their first
+    # CUDA call. With no GPU visible nothing initializes one.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if sys.argv[1:] == ["--report"]:
         with tempfile.TemporaryDirectory() as scratch:
             out = os.path.join(scratch, "results.pt")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
         stderr=subprocess.PIPE,
         text=True,
         cwd=script.parent,
+        start_new_session=True,  # its ranks in its process group: a run that hangs is killed whole
     )
     _reset_accelerate()
     try:
@@ -76,7 +79,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
             one = [cases.run_all()]
     finally:
         _reset_accelerate()
-        _, stderr = ranks.communicate(timeout=600)
+        try:
+            _, stderr = ranks.communicate(timeout=300)  # about 20 s on a 2-core CPU machine
+        except subprocess.TimeoutExpired:
+            os.killpg(ranks.pid, signal.SIGKILL)
+            _, stderr = ranks.communicate()
+            pytest.fail(f"the 2-rank run did not end within 300 s; its stderr: {stderr[-4000:]}")
     assert ranks.returncode == 0, stderr[-4000:]
     return {1: one, 2: torch.load(out, weights_only=False)}
 
