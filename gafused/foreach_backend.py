@@ -200,14 +200,29 @@ def fold_(
         if grads:
             torch._foreach_add_(segments, grads, alpha=w.item())
     else:
-        limit = _chunk_elements(acc.device, 2 * acc.element_size())  # an upcast copy and a product per element
+        limit = _chunk_elements(acc.device, acc.element_size())  # a product per element, in acc's dtype
         segments, grads = _cut(segments, grads, views.longer_than(limit), limit)
         if views.missing:
             segments, grads = _present(segments, grads)
         for part in _chunks(grads, limit) if grads else ():
-            # The weight stays on the device: products in acc's dtype (upcast first), then one add.
-            upcast = [grad if grad.dtype == acc.dtype else grad.to(acc.dtype) for grad in grads[part]]
-            torch._foreach_add_(segments[part], torch._foreach_mul(upcast, w))
+            # The weight stays on the device: products in acc's dtype, then one add. Gradients of another dtype
+            # are upcast (exactly) into one temporary by a multi-tensor copy, not a conversion per gradient.
+            chunk = grads[part]
+            if all(grad.dtype == acc.dtype for grad in chunk):
+                products = torch._foreach_mul(chunk, w)
+            else:
+                products = _temporaries(segments[part], acc)
+                torch._foreach_copy_(products, chunk)
+                torch._foreach_mul_(products, w)
+            torch._foreach_add_(segments[part], products)
+            del products  # before the next chunk's: one chunk of temporaries at a time
+
+
+def _temporaries(like: list[torch.Tensor], acc: torch.Tensor) -> list[torch.Tensor]:
+    """Uninitialized tensors shaped like ``like``, in ``acc``'s dtype and device, cut from one allocation."""
+    sizes = [tensor.numel() for tensor in like]
+    pieces = torch.empty(sum(sizes), dtype=acc.dtype, device=acc.device).split_with_sizes(sizes)
+    return [piece.view(tensor.shape) for piece, tensor in zip(pieces, like, strict=True)]
 
 
 def _present(

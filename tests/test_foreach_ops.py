@@ -70,6 +70,30 @@ def test_device_path_fold_is_bitwise_the_reference_device_path(grad_dtype, accum
     assert torch.equal(candidate.data, expected.data)
 
 
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+def test_device_path_fold_of_mixed_dtypes_and_layouts_is_bitwise_the_reference(accum_dtype, chunk, monkeypatch):
+    # One call with gradients of every dtype, one transposed (not contiguous) and one missing: chunks of several
+    # dtypes are upcast into a temporary, chunks of the buffer's dtype alone multiplied directly.
+    monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)
+    monkeypatch.setattr(reference, "_host_scalars", lambda device: False)
+    monkeypatch.setattr(foreach_backend, "DEVICE_CHUNK_BYTES", chunk)
+    generator = torch.Generator().manual_seed(16)
+    candidate, expected = _buffers(accum_dtype, generator)
+    dtypes = list(GRAD_DTYPES.values())
+    grads = []
+    for index, shape in enumerate(candidate.shapes):
+        grad = torch.randn(shape, generator=generator).to(dtypes[index % len(dtypes)])
+        grads.append(grad.t().contiguous().t() if grad.dim() == 2 else grad)
+    grads[4] = None
+    assert any(grad is not None and not grad.is_contiguous() for grad in grads)
+    weight = torch.tensor(0.37, dtype=accum_dtype)
+    for first in (True, False, False):
+        ops.fold_(candidate, grads, weight, first=first, backend="foreach")
+        ops.fold_(expected, grads, weight, first=first, backend="reference")
+        assert torch.equal(candidate.data, expected.data)
+
+
 @pytest.mark.parametrize("host", [True, False], ids=["host_path", "device_path"])
 @pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
 def test_fold_finish_values_are_bitwise_the_reference(accum_dtype, host, monkeypatch):
