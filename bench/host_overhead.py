@@ -20,7 +20,9 @@ Rows (``rows()``) measure, per backend that runs on the device:
 - ``step``: a whole ``GradAccumulator.step()`` in the middle of a window (gather ``p.grad``, check, fold,
   release the gradients), over a no-op inner optimizer.
 Two rows of no backend give the part of ``step`` that is Python per parameter, whatever the backend:
-``read p.grad`` (``[p.grad for p in params]``) and ``release p.grad`` (``p.grad = None`` for each).
+``read p.grad`` (``[p.grad for p in params]``) and ``release p.grad`` (``p.grad = None`` for each); a third,
+``check_grads``, the gradient check alone, named by the path it took: ``layout matched`` (one C++ match against the
+layout the buffer last accepted, the usual case) or ``per gradient`` (every gradient checked in Python).
 On CPU with ``TRITON_INTERPRET=1`` set, the same three rows of backend ``triton-host`` time the Triton backend
 with its kernel launches skipped: gafused's own host work per call (checks, tables, scalars), without Triton's
 launcher or the interpreter, which a GPU run adds.
@@ -135,6 +137,14 @@ def rows(
     give_back()
     cases.append(("read p.grad", "-", lambda: [param.grad for param in held], None))
     cases.append(("release p.grad", "-", release, give_back))
+    # gafused's gradient check alone, what `check=False` skips: one C++ match against the layout the buffer last
+    # accepted, or, when that misses, a Python check per gradient. Which one ran shows in the row's name: a match
+    # hands back the recorded shapes list itself, a check per gradient makes a new one.
+    checked_buffer = FlatGradBuffer(held, accum_dtype)
+    shapes = [ops.check_grads(checked_buffer, grads).shapes for _ in range(2)]
+    matched = shapes[0] is not None and shapes[0] is shapes[1]
+    check_label = f"check_grads ({'layout matched' if matched else 'per gradient'})"
+    cases.append((check_label, "-", lambda: ops.check_grads(checked_buffer, grads), None))
     for backend in gafused.available_backends(device):
         label = backend
         if backend == "triton" and device.type == "cpu":

@@ -18,7 +18,11 @@ import host_overhead  # noqa: E402 - bench/ is not a package
 def test_rows_cover_the_baseline_and_every_cpu_backend():
     rows = host_overhead.rows(tensors=5, numel=3, reps=3, warmup=1)
     assert (rows[0]["what"], rows[0]["ratio"]) == ("torch._foreach_add_", 1.0)
-    assert [(row["what"], row["backend"]) for row in rows[1:3]] == [("read p.grad", "-"), ("release p.grad", "-")]
+    assert [(row["what"], row["backend"]) for row in rows[1:4]] == [
+        ("read p.grad", "-"),
+        ("release p.grad", "-"),
+        ("check_grads (layout matched)", "-"),
+    ]
     measured = {(row["what"], row["backend"]) for row in rows[1:]}
     for backend in ("reference", "foreach"):
         assert {("fold_", backend), ("fold_ check=False", backend), ("step", backend)} <= measured
@@ -42,6 +46,13 @@ def test_triton_rows_skip_only_the_launches():
     skipped = host_overhead._without_triton_launches(lambda: folds.append(fold._fold_kernel))
     skipped()
     assert isinstance(folds[0], host_overhead._NoLaunch) and fold._fold_kernel is kernel
+
+
+def test_the_check_row_names_the_path_the_check_took(monkeypatch):
+    """Without torch's C++ guards every check goes gradient by gradient, and the row says so."""
+    monkeypatch.setattr(gafused.ops, "_TensorGuards", None)
+    rows = host_overhead.rows(tensors=3, numel=2, reps=2, warmup=1)
+    assert [row["what"] for row in rows if row["what"].startswith("check_grads")] == ["check_grads (per gradient)"]
 
 
 def test_rows_reject_bad_sizes():
