@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
+from ._tensor_cache import TensorKeyCache
 from .buffer import check_layout
 
 __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_reason"]
@@ -86,7 +86,7 @@ def _split(data: torch.Tensor, offsets: list[int], numels: list[int]) -> list[to
 
 # Keyed weakly by the accumulation tensor: a buffer that is dropped takes its views with it. The views are cut from
 # a detached alias, which does not keep the tensor itself alive.
-_views_cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_views_cache: TensorKeyCache[_Views] = TensorKeyCache()
 
 
 def _views(acc: torch.Tensor, offsets: list[int], numels: list[int]) -> _Views:

@@ -48,8 +48,8 @@ from typing import Any, TypeVar
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakTensorKeyDictionary
 
+from .._tensor_cache import TensorKeyCache
 from ..buffer import check_layout
 
 R = TypeVar("R")
@@ -236,7 +236,7 @@ class _Cached:
     by_address: _ByAddress | None = None
 
 
-_cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_cached: TensorKeyCache[_Cached] = TensorKeyCache()
 
 
 def _cached_for(acc: torch.Tensor) -> _Cached:
