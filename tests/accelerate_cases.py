@@ -17,6 +17,7 @@ Error = |p - p_truth| / |p_truth - p0| over all parameters.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import tempfile
@@ -379,6 +380,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         )
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # A rank still running after 240 s (the whole run takes about 20 s on 2 CPU cores) writes every thread's stack
+    # to stderr and exits: a hang fails the run with where it hung, within the test's 300 s.
+    faulthandler.dump_traceback_later(240, exit=True)
     import torch.distributed as dist
     from accelerate.state import PartialState
 
