@@ -213,7 +213,9 @@ def run_case(
     the learning rate of each inner step, and gafused's norms."""
     from accelerate.state import PartialState
 
-    world = PartialState().num_processes
+    # cpu=True wherever the shared state may be made: on a GPU machine PartialState() binds it to CUDA, and every
+    # later Accelerator(cpu=True) is then refused.
+    world = PartialState(cpu=True).num_processes
     batches = DATA[data][1]
     accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, data, world, compiled)
     if compiled:
@@ -283,7 +285,7 @@ def _small() -> tuple[Any, ...]:
     model = torch.nn.Linear(3, 2)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    rank = PartialState().process_index
+    rank = PartialState(cpu=True).process_index
     data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * rank + i)) for i in range(GA)]
     return accelerator, model, optimizer, data
 
@@ -347,7 +349,7 @@ def run_all() -> dict[str, Any]:
 
         # Every process must save into, and load from, the same folder: rank 0's name.
         folders: list[Any] = [scratch]
-        if PartialState().num_processes > 1:
+        if PartialState(cpu=True).num_processes > 1:
             import torch.distributed as dist
 
             dist.broadcast_object_list(folders, src=0)
@@ -361,8 +363,8 @@ def run_all() -> dict[str, Any]:
                 results[name] = check()
             except Exception as failure:
                 results[name] = {"error": f"{type(failure).__name__}: {failure}"}
-        if PartialState().num_processes > 1:
-            PartialState().wait_for_everyone()  # rank 0's scratch folder outlives every rank's load_state
+        if PartialState(cpu=True).num_processes > 1:
+            PartialState(cpu=True).wait_for_everyone()  # rank 0's scratch folder outlives every rank's load_state
     return results
 
 
