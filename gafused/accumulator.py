@@ -1033,6 +1033,11 @@ class GradAccumulator(torch.optim.Optimizer):
             return
         self._release_grads()
 
+    def _drop_unreduced(self) -> None:
+        """Forget what FSDP (its sync off) holds of a discarded or replaced window, and that it was seen."""
+        self._sync.drop_unreduced()
+        self._unreduced_seen = None
+
     def _unreduced_since_step(self) -> bool:
         """Whether FSDP (its sync off) holds gradients that arrived since the last ``step()``: a micro-batch whose
         ``loss.backward()`` ran, though no parameter's ``.grad`` shows it."""
@@ -1741,8 +1746,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _discard_window(self) -> None:
         self._drop_reductions()
-        self._sync.drop_unreduced()
-        self._unreduced_seen = None
+        self._drop_unreduced()
         self._release_grads()
         self._micro = None
         for group in self._groups:
@@ -1867,8 +1871,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
         self._release_published()
         self._drop_reductions()  # an interrupted last micro-batch's reductions and late parts: not this window's
-        self._sync.drop_unreduced()  # nor what FSDP holds back of the window open before
-        self._unreduced_seen = None
+        self._drop_unreduced()  # nor what FSDP holds back of the window open before
         for group in self._groups:
             for param in group.params:
                 param.grad = None
