@@ -22,7 +22,8 @@ Rows (``rows()``) measure, per backend that runs on the device:
 Two rows of no backend give the part of ``step`` that is Python per parameter, whatever the backend:
 ``read p.grad`` (``[p.grad for p in params]``) and ``release p.grad`` (``p.grad = None`` for each); a third,
 ``check_grads``, the gradient check alone, named by the path it took: ``layout matched`` (one C++ match against the
-layout the buffer last accepted, the usual case) or ``per gradient`` (every gradient checked in Python).
+layout the buffer last accepted, the usual case) or ``per gradient`` (every gradient checked in Python); after a
+``per gradient`` row the script prints why the match missed (what torch's guard found different, say).
 On CPU with ``TRITON_INTERPRET=1`` set, the same three rows of backend ``triton-host`` time the Triton backend
 with its kernel launches skipped: gafused's own host work per call (checks, tables, scalars), without Triton's
 launcher or the interpreter, which a GPU run adds.
@@ -81,6 +82,24 @@ def _without_triton_launches(run: Callable[[], object]) -> Callable[[], None]:
     return skipped
 
 
+def _layout_miss_reason(buffer: FlatGradBuffer, grads: list[torch.Tensor]) -> str:
+    """Why ``ops.check_grads`` checked ``grads`` one by one instead of matching the layout the buffer last accepted."""
+    if ops._TensorGuards is None:
+        return "torch's TensorGuards is missing here or failed gafused's check of it: every call checks per gradient"
+    accepted = ops._accepted_layouts.get(buffer)
+    if accepted is None:
+        return "no layout was recorded: the first check did not accept the gradients as they were given"
+    given = [index for index in accepted.missing if grads[index] is not None]
+    if given:
+        return f"the entries of grads at {given} were None when the layout was recorded"
+    present = [grads[index] for index in accepted.present]
+    names = [f"grads[{index}]" for index in accepted.present]
+    reason = accepted.guard.check_verbose(*present, tensor_check_names=names)
+    if reason is True or not reason:
+        return "the recorded layout matches these gradients when checked again"
+    return f"the recorded layout does not match: {reason}"
+
+
 def rows(
     tensors: int = 1024,
     numel: int = 64,
@@ -103,7 +122,8 @@ def rows(
         One dict per measurement: ``what``, ``backend``, ``tensors``, ``numel``, ``median_us``, ``q20_us``,
         ``q80_us``, ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline), ``reps``
         (samples taken) and ``interrupted`` (None, or what ``interrupt.describe`` says of a SIGTERM or Ctrl-C that
-        stopped the sampling after at least two rounds: the rows then hold the rounds taken).
+        stopped the sampling after at least two rounds: the rows then hold the rounds taken) and ``note`` (why the
+        layout match missed, on a ``check_grads (per gradient)`` row; else None).
     """
     device = torch.device(device)
     if tensors < 1 or numel < 1:
@@ -145,6 +165,7 @@ def rows(
     matched = shapes[0] is not None and shapes[0] is shapes[1]
     check_label = f"check_grads ({'layout matched' if matched else 'per gradient'})"
     cases.append((check_label, "-", lambda: ops.check_grads(checked_buffer, grads), None))
+    notes = {} if matched else {check_label: _layout_miss_reason(checked_buffer, grads)}
     for backend in gafused.available_backends(device):
         label = backend
         if backend == "triton" and device.type == "cpu":
@@ -204,7 +225,7 @@ def rows(
         results.append(
             {"what": what, "backend": backend, "tensors": tensors, "numel": numel,
              "median_us": statistics.median(times), "q20_us": q[0], "q80_us": q[3], "reps": len(times),
-             "interrupted": stopped}
+             "interrupted": stopped, "note": notes.get(what)}
         )  # fmt: skip
     baseline = results[0]["median_us"]
     for row in results:
@@ -243,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['what']:<30} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
             f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f}"
         )
+    for row in table:
+        if row["note"]:
+            print(f"{row['what']}: {row['note']}")
     return 143 if stopped and stopped["signal"] == "SIGTERM" else 130 if stopped else 0
 
 

@@ -12,7 +12,9 @@ device-to-device copy bandwidth on buffers of 256 MB and up): the ops are called
 | ``sum_of_squares`` | ``ops.sum_of_squares`` | read acc: 4 |
 
 The copy bandwidth of each size is a ``copy_`` of the buffer's own bytes (read + write), timed in the same
-run with the same timer.
+run with the same timer. Each row also keeps the median host time of its calls (``host_ms``: how long the call kept
+the Python thread busy, gafused's checks and tables and the kernel launcher) beside the copy's (``copy_host_ms``):
+on a GPU every sample starts from an idle device, so the kernel cannot start before most of that host work is done.
 
 Everything the sweep allocates (buffer, gradients, the bf16 ``out``) is written before the timed calls. An op
 that makes temporaries of its own (the reference backend upcasts a bf16 gradient, or computes ``scale_``'s
@@ -122,7 +124,7 @@ def run_kernel_sweep(
             segment = numel // SEGMENTS
             # Stand-ins for parameters: the buffer needs their shape, dtype and device, not their memory.
             params = [torch.empty((), device=device).expand(segment) for _ in range(SEGMENTS)]
-            copy_gbps, _ = copy_bandwidth_gbps(timer, acc_bytes)
+            copy_gbps, copy_timing = copy_bandwidth_gbps(timer, acc_bytes)
             for backend in backends:
                 buffer = gafused.FlatGradBuffer(params)
                 buffer.data.normal_()
@@ -138,7 +140,8 @@ def run_kernel_sweep(
                             "backend": backend, "op": op,
                             "grad_dtype": dtype_name if op in ("fold", "fold_finish") else "-",
                             "median_ms": timing.median_ms, "q20_ms": timing.q20_ms, "q80_ms": timing.q80_ms,
-                            "reps": timing.reps, "gbps": gbps, "copy_gbps": copy_gbps,
+                            "reps": timing.reps, "host_ms": timing.host_ms, "gbps": gbps, "copy_gbps": copy_gbps,
+                            "copy_host_ms": copy_timing.host_ms,
                             "fraction_of_copy_bw": gbps / copy_gbps, "page_faults": timing.page_faults,
                         })  # fmt: skip
                         bar.update()
@@ -160,7 +163,8 @@ def first_touch_status(page_faults: float | None) -> str:
 def format_kernel_table(rows: list[dict]) -> str:
     """One line per (size, backend, op, grad dtype)."""
     header = (
-        f"{'acc MB':>7} {'backend':10} {'op':15} {'grads':5} {'ms':>9} {'[q20, q80]':>19} {'GB/s':>8} {'of copy':>8}"
+        f"{'acc MB':>7} {'backend':10} {'op':15} {'grads':5} {'ms':>9} {'[q20, q80]':>19} {'host ms':>8} {'GB/s':>8} "
+        f"{'of copy':>8}"
     )
     lines = ["kernel sweep (fp32 buffer, 8 segments; GB/s by minimum bytes; copy of the same size, same run)", header]
     for row in rows:
@@ -171,6 +175,6 @@ def format_kernel_table(rows: list[dict]) -> str:
         quantiles = f"[{row['q20_ms']:.3f}, {row['q80_ms']:.3f}]"
         lines.append(
             f"{row['acc_mb']:>7} {row['backend']:10} {row['op']:15} {row['grad_dtype']:5} {row['median_ms']:9.3f} "
-            f"{quantiles:>19} {row['gbps']:8.1f} {row['fraction_of_copy_bw']:8.1%}"
+            f"{quantiles:>19} {row['host_ms']:8.3f} {row['gbps']:8.1f} {row['fraction_of_copy_bw']:8.1%}"
         )
     return "\n".join(lines)

@@ -225,6 +225,9 @@ def test_small_run_writes_the_files_its_summary_lists(monkeypatch, tmp_path, cap
     assert micro_backends == {"reference"}
     kernel_backends = [b for b in gafused.available_backends("cpu") if b != "triton"]
     assert {r["backend"] for r in results["kernels"]} == set(kernel_backends)
+    # Each kernel row keeps its calls' host time and the copy's; on CPU a call's host time is its time.
+    timed = [r for r in results["kernels"] if r["status"] == "ok"]
+    assert timed and all(r["host_ms"] == r["median_ms"] and r["copy_host_ms"] > 0 for r in timed)
     kernels_heading = next(line for line in screen.splitlines() if line.startswith("KERNELS VS COPY BANDWIDTH"))
     assert all(f"`{b}`" in kernels_heading for b in kernel_backends)
 

@@ -53,6 +53,30 @@ def test_the_check_row_names_the_path_the_check_took(monkeypatch):
     monkeypatch.setattr(gafused.ops, "_TensorGuards", None)
     rows = host_overhead.rows(tensors=3, numel=2, reps=2, warmup=1)
     assert [row["what"] for row in rows if row["what"].startswith("check_grads")] == ["check_grads (per gradient)"]
+    note = next(row["note"] for row in rows if row["what"] == "check_grads (per gradient)")
+    assert "TensorGuards is missing" in note
+    assert all(row["note"] is None for row in rows if row["what"] != "check_grads (per gradient)")
+
+
+def test_a_missed_layout_match_is_explained():
+    """Why check_grads went gradient by gradient: what torch's guard finds different from the recorded layout."""
+    if gafused.ops._TensorGuards is None:
+        pytest.skip("torch's TensorGuards is not usable here")
+    params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3)]
+    buffer = gafused.FlatGradBuffer(params)
+    assert "no layout was recorded" in host_overhead._layout_miss_reason(buffer, [torch.ones(2, 3)] * 3)
+    grads = [torch.ones(2, 3), None, torch.ones(2, 3)]
+    gafused.ops.check_grads(buffer, grads)
+    assert host_overhead._layout_miss_reason(buffer, grads) == (
+        "the recorded layout matches these gradients when checked again"
+    )
+    assert host_overhead._layout_miss_reason(buffer, [torch.ones(2, 3)] * 3) == (
+        "the entries of grads at [1] were None when the layout was recorded"
+    )
+    reason = host_overhead._layout_miss_reason(buffer, [torch.ones(2, 3), None, torch.ones(3, 2)])
+    assert reason.startswith("the recorded layout does not match: tensor 'grads[2]' size mismatch")
+    wanting = [torch.ones(2, 3, requires_grad=True), None, torch.ones(2, 3)]
+    assert "tensor 'grads[0]' requires_grad mismatch" in host_overhead._layout_miss_reason(buffer, wanting)
 
 
 def test_rows_reject_bad_sizes():
