@@ -187,8 +187,11 @@ def fold_(
         if views.missing:
             torch._foreach_zero_([segment for segment, grad in zip(segments, grads, strict=True) if grad is None])
             segments, grads = _present(segments, grads)
+        # An exact upcast, then one rounding: the same as (grad * w). One copy per gradient dtype: torch's
+        # multi-tensor copy takes its one-launch path only when every source has the same dtype.
+        for indices in _by_dtype(grads).values():
+            torch._foreach_copy_([segments[i] for i in indices], [grads[i] for i in indices])
         if grads:
-            torch._foreach_copy_(segments, grads)  # exact upcast, then one rounding: the same as (grad * w)
             torch._foreach_mul_(segments, w)
     elif _host_scalars(acc.device):
         # add_ converts a gradient of another dtype into a temporary as large as the gradient: long ones in pieces.
@@ -205,17 +208,46 @@ def fold_(
         if views.missing:
             segments, grads = _present(segments, grads)
         for part in _chunks(grads, limit) if grads else ():
-            # The weight stays on the device: products in acc's dtype, then one add. Gradients of another dtype
-            # are upcast (exactly) into one temporary by a multi-tensor copy, not a conversion per gradient.
-            chunk = grads[part]
-            if all(grad.dtype == acc.dtype for grad in chunk):
-                products = torch._foreach_mul(chunk, w)
-            else:
-                products = _temporaries(segments[part], acc)
-                torch._foreach_copy_(products, chunk)
-                torch._foreach_mul_(products, w)
+            # The weight stays on the device: products in acc's dtype, then one add.
+            products = _products(grads[part], segments[part], w, acc)
             torch._foreach_add_(segments[part], products)
             del products  # before the next chunk's: one chunk of temporaries at a time
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """The indices of ``tensors``, grouped by dtype (in order of first appearance)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    return groups
+
+
+def _products(
+    grads: list[torch.Tensor], segments: list[torch.Tensor], w: torch.Tensor, acc: torch.Tensor
+) -> list[torch.Tensor]:
+    """``grad * w`` in ``acc``'s dtype for each gradient, as new tensors (``segments`` give their shapes).
+
+    A gradient of another dtype is first upcast, exactly, into a temporary: one multi-tensor copy per source dtype
+    (torch's copy takes its one-launch path only when the sources share a dtype), not a conversion per gradient;
+    the temporaries are then multiplied in place. Gradients of ``acc``'s dtype are multiplied directly.
+    """
+    groups = _by_dtype(grads)
+    if list(groups) == [acc.dtype]:
+        return torch._foreach_mul(grads, w)
+    products: list[torch.Tensor] = list(grads)  # every entry is replaced below
+    upcast: list[torch.Tensor] = []
+    for dtype, indices in groups.items():
+        sources = [grads[i] for i in indices]
+        if dtype == acc.dtype:
+            made = torch._foreach_mul(sources, w)
+        else:
+            made = _temporaries([segments[i] for i in indices], acc)
+            torch._foreach_copy_(made, sources)
+            upcast += made
+        for index, tensor in zip(indices, made, strict=True):
+            products[index] = tensor
+    torch._foreach_mul_(upcast, w)
+    return products
 
 
 def _temporaries(like: list[torch.Tensor], acc: torch.Tensor) -> list[torch.Tensor]:

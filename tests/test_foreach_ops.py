@@ -73,11 +73,21 @@ def test_device_path_fold_is_bitwise_the_reference_device_path(grad_dtype, accum
 @pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
 def test_device_path_fold_of_mixed_dtypes_and_layouts_is_bitwise_the_reference(accum_dtype, chunk, monkeypatch):
-    # One call with gradients of every dtype, one transposed (not contiguous) and one missing: chunks of several
-    # dtypes are upcast into a temporary, chunks of the buffer's dtype alone multiplied directly.
+    # One call with gradients of every dtype, one transposed (not contiguous) and one missing: in each chunk the
+    # gradients of another dtype than the buffer's are upcast into temporaries, one multi-tensor copy per source
+    # dtype; those of the buffer's dtype are multiplied directly.
     monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)
     monkeypatch.setattr(reference, "_host_scalars", lambda device: False)
     monkeypatch.setattr(foreach_backend, "DEVICE_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)  # (the device path on a CPU tensor budgets with it)
+    copies = []
+    real_copy = torch._foreach_copy_
+
+    def copy(targets, sources):
+        copies.append({source.dtype for source in sources})
+        return real_copy(targets, sources)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", copy)
     generator = torch.Generator().manual_seed(16)
     candidate, expected = _buffers(accum_dtype, generator)
     dtypes = list(GRAD_DTYPES.values())
@@ -89,9 +99,16 @@ def test_device_path_fold_of_mixed_dtypes_and_layouts_is_bitwise_the_reference(a
     assert any(grad is not None and not grad.is_contiguous() for grad in grads)
     weight = torch.tensor(0.37, dtype=accum_dtype)
     for first in (True, False, False):
+        copies.clear()
         ops.fold_(candidate, grads, weight, first=first, backend="foreach")
         ops.fold_(expected, grads, weight, first=first, backend="reference")
         assert torch.equal(candidate.data, expected.data)
+        # One source dtype per multi-tensor copy (the first fold copies every gradient into its segment); a middle
+        # fold copies only the other dtypes' (three here), into temporaries: more copies when cut in pieces.
+        assert copies and all(len(dtypes) == 1 for dtypes in copies)
+        if not first:
+            assert all(accum_dtype not in dtypes for dtypes in copies)
+            assert (len(copies) > 3) == (chunk == CHUNKS["pieces"])
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host_path", "device_path"])
