@@ -6,11 +6,12 @@
 Each recipe trains the same model on the same data for two windows of N micro-batches with AdamW; the
 figure is the peak of live tensor bytes during the second window (parameters, gradients, buffers, optimizer
 state, activations and temporaries all included), divided by the number of parameters. On CPU the live
-bytes come from torch.profiler's allocation events, which record every tensor allocation and free with its
-exact size (``track_peak`` is checked against known allocations by tests/test_memory.py); on a GPU from
-``torch.cuda.max_memory_allocated``. The profiler sees only the threads it follows: where other threads free
-tensors (gloo's workers, in bench/distributed.py), ``count_every_thread()`` at process start and
-``live_peak_after_mark()`` count the whole process instead.
+bytes come from torch.profiler's allocation events, which record every tensor allocation and free with its exact
+size (``track_peak`` is checked against known allocations by tests/test_memory.py); on a GPU from
+``torch.cuda.max_memory_allocated``, over what was allocated when the case began (``run`` first runs one case
+unrecorded on a GPU, so that memory the process allocates once falls to no case). The profiler sees only the threads
+it follows: where other threads free tensors (gloo's workers, in bench/distributed.py), ``count_every_thread()`` at
+process start and ``live_peak_after_mark()`` count the whole process instead.
 
 The recipes:
 - ``plain``: ``(loss / N).backward()``; autograd accumulates into ``p.grad`` (in the parameters' dtype);
@@ -290,6 +291,12 @@ def run(quick: bool, progress: Callable | None = None, device: torch.device | No
         for recipe in RECIPES
         if not (recipe == "megatron" and dtype == torch.float32)
     ]
+    if device.type == "cuda":
+        # A GPU peak is measured from what was allocated before the case began, so memory the process allocates
+        # once and keeps (the first matmuls' library workspaces, one per thread: backward runs on another) would
+        # count to the first case alone. Measured on an H200 before this warm-up, that case (plain, fp32) read
+        # 65 MiB (2.7 bytes per parameter) above the case after it. The first case runs once unrecorded first.
+        measure(*cases[0], layers, width, device, bucket_bytes)
     bar = progress("memory: peak bytes per parameter", len(cases)) if progress is not None else None
     rows = []
     for recipe, dtype in cases:
