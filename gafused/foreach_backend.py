@@ -6,11 +6,14 @@ a few multi-tensor launches per op instead of several launches per parameter. Th
 oracle; this one is tested against it.
 
 Agreement with the reference (``gafused/reference.py``):
-- ``fold_``, ``scale_``: bitwise. On CPU a middle fold is ``add_(grad, alpha=weight)`` per segment, as the
-  reference's CPU path; elsewhere the weight stays on the device and the rounding is ``acc + (grad * weight)``
-  with the product in the buffer's dtype, as the reference's device path.
+- ``fold_``, ``scale_``: bitwise (a nan may carry another sign or payload). On CPU a middle fold is
+  ``add_(grad, alpha=weight)`` per segment, as the reference's CPU path; elsewhere the weight stays on the device
+  and the rounding is ``acc + (grad * weight)`` with the product in the buffer's dtype, as the reference's device
+  path.
 - sums of squares: the per-segment 2-norms are computed in float64 and squared there, as the reference adds its
-  squares in float64: the results are within a few ulps of the buffer's dtype of each other.
+  squares in float64. For a float32 buffer the results are within a few float32 ulps of each other; for a float64
+  one they are float64 sums in different orders, apart by their rounding, which grows with the element count
+  (27 float64 ulps for a segment of a million normal values).
   They are deterministic: the same inputs give the same bits.
 
 Segment views are made once per buffer and kept (a view per segment costs more host time than the add it

@@ -12,7 +12,9 @@ backend (``reference``, ``foreach``, ``triton``, ``cuda``):
   buffer's layout, e.g. bf16 gradients the inner optimizer reads).
 
 Scalars (weight, scale, coef) may be Python numbers or 0-d tensors; tensors stay on the device, so no op
-here synchronizes with the host. Alignment padding between segments is never read or written.
+here synchronizes with the host. Either form is rounded into the buffer's dtype (a value beyond its range becomes
+inf), and a scalar in the buffer's own memory is read before the op writes it. Alignment padding between
+segments is never read or written.
 
 Each op is registered with ``torch.library.custom_op`` (namespace ``gafused``) so a compiled training step
 can call it; the backend is an argument of the op, resolved here from ``"auto"`` before dispatch. In eager mode
@@ -27,6 +29,7 @@ graph would not repeat. torch.compile leaves them out of the graphs it captures.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import warnings
@@ -287,7 +290,8 @@ def to_device(
 
 def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> torch.Tensor:
     """A 0-d tensor on the buffer's device in its dtype; a tensor is moved without a host sync unless it goes from a
-    device to a CPU buffer (see ``to_device``)."""
+    device to a CPU buffer (see ``to_device``). A number is rounded into the dtype as a float64 tensor would be
+    (beyond its range: inf). A tensor in the buffer's own memory is copied: an op would read it while it writes."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
@@ -297,10 +301,19 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
             raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
         if value.requires_grad:  # its value only: a weight with a graph must not attach one to the buffer
             value = value.detach()
-        return to_device(value, buffer.device, buffer.accum_dtype)
+        scalar = to_device(value, buffer.device, buffer.accum_dtype)
+        if scalar is value and _eager(scalar) and _eager(buffer.data) and _shares_memory(scalar, buffer):
+            scalar = scalar.clone()
+        return scalar
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number or a 0-d tensor, got {type(value).__name__}")
-    return torch.full((), float(value), dtype=buffer.accum_dtype, device=buffer.device)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float: {value}") from None
+    if abs(number) > torch.finfo(buffer.accum_dtype).max and math.isfinite(number):
+        number = torch.tensor(number, dtype=torch.float64).to(buffer.accum_dtype).item()  # inf, or max if it rounds
+    return torch.full((), number, dtype=buffer.accum_dtype, device=buffer.device)
 
 
 def _check_first(first: object) -> None:

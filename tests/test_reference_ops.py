@@ -255,6 +255,49 @@ def test_ops_reject_bad_scalars_and_backend():
         ops.scale_(buffer, 1.0, out=torch.empty(3), backend="reference")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # interpreter: 0 * inf
+@pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
+def test_a_number_beyond_the_buffers_range_rounds_as_a_tensor_would(backend):
+    """A Python number is rounded into the buffer's dtype as a float64 0-d tensor would be (inf beyond its range,
+    not an error); an integer no float can hold is refused, naming the scalar, with nothing changed."""
+    if backend == "triton" and ops.backend_unavailable_reason("triton", "cpu"):
+        pytest.skip(ops.backend_unavailable_reason("triton", "cpu"))
+    results = []
+    huge = torch.tensor(1e300, dtype=torch.float64)
+    for weight in (1e300, huge, -(10**40), -huge):
+        buffer = _buffer([(3,), (2,)])
+        ops.fold_(buffer, [torch.ones(3), -torch.ones(2)], weight, first=True, backend=backend)
+        results.append(buffer.data.clone())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[2], results[3])
+    assert torch.isinf(results[0]).sum() == 5 and torch.equal(results[0], -results[2])
+    # Just above float32's largest value, a number rounds to it, as the float64 tensor does.
+    above = float(torch.finfo(torch.float32).max) * (1 + 2**-30)
+    buffer = _buffer([(3,)])
+    ops.scale_(buffer, 1.0, backend=backend)
+    ops.fold_(buffer, [torch.ones(3)], above, first=True, backend=backend)
+    assert torch.equal(buffer.data[:3], torch.full((3,), torch.finfo(torch.float32).max))
+    before = buffer.data.clone()
+    with pytest.raises(ValueError, match=r"scale is too large for a float: 1000000000"):
+        ops.fold_finish_(buffer, [torch.ones(3)], 1.0, 10**400, first=False, backend=backend)
+    assert torch.equal(buffer.data, before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
+def test_a_scalar_in_the_buffers_own_memory_is_read_before_the_op_writes(backend):
+    """A 0-d view of the buffer given as a scalar (``coef = buffer.data[0]``) is the value it held when the op was
+    called, on every backend (the fused kernels read the scalar in every program, after others wrote it)."""
+    if backend == "triton" and ops.backend_unavailable_reason("triton", "cpu"):
+        pytest.skip(ops.backend_unavailable_reason("triton", "cpu"))
+    buffer = _buffer([(3000,), (2000,)])
+    ops.fold_(buffer, [torch.full((3000,), 2.0), torch.full((2000,), 3.0)], 1.0, first=True, backend="reference")
+    ops.scale_(buffer, buffer.data[0], backend=backend)
+    assert torch.equal(buffer.segment(0), torch.full((3000,), 4.0))
+    assert torch.equal(buffer.segment(1), torch.full((2000,), 6.0))
+    ops.fold_(buffer, [torch.ones(3000), torch.ones(2000)], buffer.data[0], first=False, backend=backend)
+    assert torch.equal(buffer.segment(0), torch.full((3000,), 8.0))
+    assert torch.equal(buffer.segment(1), torch.full((2000,), 10.0))
+
+
 @pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
 def test_scale_into_out_refuses_what_no_gradient_can_be_before_writing(backend):
     """``out`` takes a parameter gradient's dtype (the dtypes every backend casts to) and must start on its element
