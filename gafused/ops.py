@@ -302,7 +302,7 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
         if value.requires_grad:  # its value only: a weight with a graph must not attach one to the buffer
             value = value.detach()
         scalar = to_device(value, buffer.device, buffer.accum_dtype)
-        if scalar is value and _eager(scalar) and _eager(buffer.data) and _shares_memory(scalar, buffer):
+        if scalar is value and type(scalar) is torch.Tensor and _eager(buffer.data) and _shares_memory(scalar, buffer):
             scalar = scalar.clone()
         return scalar
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
