@@ -26,12 +26,15 @@ def test_an_entry_goes_with_its_tensor_and_is_never_found_by_a_reused_id():
     cache: TensorKeyCache[int] = TensorKeyCache()
     kept = torch.zeros(1)
     cache[kept] = 0
+    ids = []
     for index in range(200):
         tensor = torch.zeros(2)
         assert tensor not in cache, "a tensor at a freed tensor's id must not find that tensor's entry"
+        ids.append(id(tensor))
         cache[tensor] = index + 1
-        del tensor
-        gc.collect()
+        del tensor  # freed here (no cycle holds it): its id may be the next tensor's
+    assert len(set(ids)) < len(ids), "no id was reused: the test checked nothing"
+    gc.collect()
     assert len(cache) == 1 and list(cache.items()) == [(kept, 0)]
 
 
