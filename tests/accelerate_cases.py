@@ -172,6 +172,14 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def _shared_state() -> Any:
+    """Accelerate's process-wide PartialState, made with cpu=True wherever this module may make it: on a GPU machine
+    PartialState() binds it to CUDA, and every later Accelerator(cpu=True) is then refused."""
+    from accelerate.state import PartialState
+
+    return PartialState(cpu=True)
+
+
 def _reset_accelerator_state() -> None:
     """Forget the process-wide AcceleratorState (the process group, PartialState, stays): an Accelerator built next
     takes its own dynamo_backend, where it would otherwise inherit the first one's."""
@@ -211,11 +219,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Train one epoch through one recipe on this process; return the final params, the ids each micro-batch held,
     the learning rate of each inner step, and gafused's norms."""
-    from accelerate.state import PartialState
-
-    # cpu=True wherever the shared state may be made: on a GPU machine PartialState() binds it to CUDA, and every
-    # later Accelerator(cpu=True) is then refused.
-    world = PartialState(cpu=True).num_processes
+    world = _shared_state().num_processes
     batches = DATA[data][1]
     accelerator, model, optimizer, loader, scheduler = _build(recipe, clip, data, world, compiled)
     if compiled:
@@ -276,7 +280,6 @@ def _small() -> tuple[Any, ...]:
     """Accelerator(gradient_accumulation_steps=GA) over a 3x2 linear model and SGD (DDP on several processes), its
     optimizer handed to gafused, and GA micro-batches for this process."""
     from accelerate import Accelerator
-    from accelerate.state import PartialState
 
     import gafused.integrations.accelerate as gafused_accelerate
 
@@ -285,7 +288,7 @@ def _small() -> tuple[Any, ...]:
     model = torch.nn.Linear(3, 2)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
-    rank = PartialState(cpu=True).process_index
+    rank = _shared_state().process_index
     data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * rank + i)) for i in range(GA)]
     return accelerator, model, optimizer, data
 
@@ -345,11 +348,9 @@ def run_all() -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*OMP_NUM_THREADS.*")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        from accelerate.state import PartialState
-
         # Every process must save into, and load from, the same folder: rank 0's name.
         folders: list[Any] = [scratch]
-        if PartialState(cpu=True).num_processes > 1:
+        if _shared_state().num_processes > 1:
             import torch.distributed as dist
 
             dist.broadcast_object_list(folders, src=0)
@@ -363,8 +364,8 @@ def run_all() -> dict[str, Any]:
                 results[name] = check()
             except Exception as failure:
                 results[name] = {"error": f"{type(failure).__name__}: {failure}"}
-        if PartialState(cpu=True).num_processes > 1:
-            PartialState(cpu=True).wait_for_everyone()  # rank 0's scratch folder outlives every rank's load_state
+        if _shared_state().num_processes > 1:
+            _shared_state().wait_for_everyone()  # rank 0's scratch folder outlives every rank's load_state
     return results
 
 
@@ -386,9 +387,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     # to stderr and exits: a hang fails the run with where it hung, within the test's 300 s.
     faulthandler.dump_traceback_later(240, exit=True)
     import torch.distributed as dist
-    from accelerate.state import PartialState
 
-    PartialState(cpu=True)
+    _shared_state()
     results = run_all()
     if world == 1:
         torch.save([results], out)
