@@ -238,7 +238,7 @@ detail_of() {
     build) grep -m 1 "^backends:" "$file" ;;
     tests) grep -E "[0-9]+ (passed|failed|errors?|skipped)" "$file" | tail -1 | tr -d '=' | sed 's/^ *//' ;;
     sanitize) grep -E "ERROR SUMMARY|RACECHECK SUMMARY|not found" "$file" | sed -E 's/^=+ *//' | paste -sd ';' ;;
-    host) grep -E "^(step |PARTIAL)" "$file" | awk '/^PARTIAL/ {print "partial"; next} {print $2 " " $NF "x"}' |
+    host) grep -E "^(step |PARTIAL)" "$file" | awk '/^PARTIAL/ {print "partial"; next} {print $2 " " $(NF-1) "x"}' |
       paste -sd ';' ;;
     kernels | bench | bench_fp32 | windows | configs | profile)
       grep -E "^wrote " "$file" | tail -1 | sed -E 's|[^ ,]*/||g' ;;

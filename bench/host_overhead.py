@@ -27,22 +27,30 @@ layout the buffer last accepted, the usual case) or ``per gradient`` (every grad
 On CPU with ``TRITON_INTERPRET=1`` set, the same three rows of backend ``triton-host`` time the Triton backend
 with its kernel launches skipped: gafused's own host work per call (checks, tables, scalars), without Triton's
 launcher or the interpreter, which a GPU run adds.
-Each row gives the median and 20/80% quantiles in microseconds and the ratio to the baseline's median.
-Timings use ``time.perf_counter`` around each call, the cases' samples interleaved; the gradients are handed
-back to the parameters untimed before every ``step`` sample, as backward would. Stopped by SIGTERM (the time
-limit of bench/gpu_check.sh) or Ctrl-C after at least two samples of every case, it prints the table of the
-samples taken so far, says how many, and exits with 143 (130).
+Each row gives the median and 20/80% quantiles in microseconds, the ratio to the baseline's median, and what one
+call launches (``launches``: CUDA kernels on a GPU, leaf compute aten ops on CPU; ``timing.count_launches``, one
+call under ``torch.profiler`` before the sampling).
+Timings use ``time.perf_counter`` around each call. The cases' samples are interleaved, in a new (seeded) order
+every round, so neither load from other processes nor what the previous case left behind (a synchronize that
+waited on its kernels, its garbage) falls on one case more than another; Python's cyclic garbage collector is
+kept out of the timed calls (as ``timeit`` does: a collection that allocations elsewhere made due runs after the
+call). The gradients are handed back to the parameters untimed before every ``step`` sample, as backward would.
+Stopped by SIGTERM (the time limit of bench/gpu_check.sh) or Ctrl-C after at least two samples of every case, it
+prints the table of the samples taken so far, says how many, and exits with 143 (130).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import random
 import statistics
 import time
 from collections.abc import Callable
 
 import interrupt
+import timing
 import torch
 
 import gafused
@@ -120,7 +128,8 @@ def rows(
 
     Returns:
         One dict per measurement: ``what``, ``backend``, ``tensors``, ``numel``, ``median_us``, ``q20_us``,
-        ``q80_us``, ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline), ``reps``
+        ``q80_us``, ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline), ``launches``
+        (``timing.count_launches`` of one call: CUDA kernels, or leaf compute aten ops on CPU), ``reps``
         (samples taken) and ``interrupted`` (None, or what ``interrupt.describe`` says of a SIGTERM or Ctrl-C that
         stopped the sampling after at least two rounds: the rows then hold the rounds taken) and ``note`` (why the
         layout match missed, on a ``check_grads (per gradient)`` row; else None).
@@ -198,19 +207,28 @@ def rows(
         cases.append(("fold_ check=False", label, runs[1], None))
         cases.append(("step", label, runs[2], hand_over))
 
+    launches = [timing.count_launches(run, prepare, device) for _, _, run, prepare in cases]
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: list[list[float]] = [[] for _ in cases]
     stopped = None
-    # Samples of all cases are interleaved, so load from other processes on a shared machine falls on each alike.
+    # Samples of all cases are interleaved, in a new order each round (module doc).
+    order = list(range(len(cases)))
+    shuffle = random.Random(0).shuffle
     try:
         for rep in range(warmup + reps):
-            for index, (_, _, run, prepare) in enumerate(cases):
+            shuffle(order)
+            for index in order:
+                _, _, run, prepare = cases[index]
                 if prepare is not None:
                     prepare()
                 synchronize()
-                start = time.perf_counter()
-                run()
-                elapsed = (time.perf_counter() - start) * 1e6
+                gc.disable()
+                try:
+                    start = time.perf_counter()
+                    run()
+                    elapsed = (time.perf_counter() - start) * 1e6
+                finally:
+                    gc.enable()
                 if rep >= warmup:
                     samples[index].append(elapsed)
     except interrupt.STOPPED as stop:
@@ -220,12 +238,12 @@ def rows(
         samples = [times[:taken] for times in samples]
         stopped = interrupt.describe(stop, f"sampling, after {taken} of {reps} rounds")
     results: list[dict[str, object]] = []
-    for (what, backend, _, _), times in zip(cases, samples, strict=True):
+    for (what, backend, _, _), times, count in zip(cases, samples, launches, strict=True):
         q = statistics.quantiles(times, n=5)
         results.append(
             {"what": what, "backend": backend, "tensors": tensors, "numel": numel,
-             "median_us": statistics.median(times), "q20_us": q[0], "q80_us": q[3], "reps": len(times),
-             "interrupted": stopped, "note": notes.get(what)}
+             "median_us": statistics.median(times), "q20_us": q[0], "q80_us": q[3], "launches": count,
+             "reps": len(times), "interrupted": stopped, "note": notes.get(what)}
         )  # fmt: skip
     baseline = results[0]["median_us"]
     for row in results:
@@ -258,11 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         f"middle micro-step, {args.tensors} x {args.numel} {args.dtype} on {args.device}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s), {table[0]['reps']} samples per row"
     )
-    print(f"{'what':<30} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10}")
+    print(f"launches: {timing.launch_unit(args.device)} in one call")
+    print(
+        f"{'what':<30} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10} {'launches':>9}"
+    )
     for row in table:
         print(
             f"{row['what']:<30} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
-            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f}"
+            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f} {row['launches']:>9}"
         )
     for row in table:
         if row["note"]:

@@ -1376,6 +1376,22 @@ def test_gpu_check_phase_at_its_limit_gets_sigterm_and_keeps_what_its_program_wr
     assert summary.rstrip().endswith("wrote partial.json (partial: stopped by SIGTERM during the kernel sweep)")
 
 
+def test_gpu_check_host_summary_reads_each_step_row_ratio(tmp_path, capsys) -> None:
+    """The summary line of the ``host`` phase: each backend's ``step`` ratio to the baseline, read from the table
+    bench/host_overhead.py prints (whose last column is the launch count, not the ratio)."""
+    import host_overhead
+
+    assert host_overhead.main(["--tensors", "3", "--numel", "2", "--reps", "3"]) == 0
+    table = capsys.readouterr().out
+    ratios = {line.split()[1]: line.split()[-2] for line in table.splitlines() if line.startswith("step ")}
+    assert set(ratios) >= {"reference", "foreach"}
+    env = _gpu_check_tree(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "gpu-host.log").write_text(table)
+    done = _gpu_check(tmp_path, env, "detail_of host")
+    assert done.stdout.strip() == ";".join(f"{backend} {ratio}x" for backend, ratio in ratios.items())
+
+
 def test_gpu_check_env_fails_without_a_cuda_torch(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: env passes here")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -27,6 +28,29 @@ def test_rows_cover_the_baseline_and_every_cpu_backend():
     for backend in ("reference", "foreach"):
         assert {("fold_", backend), ("fold_ check=False", backend), ("step", backend)} <= measured
     assert all(row["median_us"] > 0 and row["tensors"] == 5 for row in rows)
+    # What one call launches: on CPU, leaf compute aten ops (torch's CPU foreach add is one add per tensor).
+    launches = {(row["what"], row["backend"]): row["launches"] for row in rows}
+    assert launches[("torch._foreach_add_", "-")] == 5
+    assert launches[("read p.grad", "-")] == 0 and launches[("check_grads (layout matched)", "-")] == 0
+    assert launches[("fold_", "foreach")] == launches[("fold_ check=False", "foreach")] > 0
+
+
+def test_timed_calls_run_without_the_garbage_collector(monkeypatch):
+    """A collection that other allocations made due is not charged to the call that happens to trigger it."""
+    enabled = []
+    real_add = torch._foreach_add_
+
+    def add(*args, **kwargs):
+        enabled.append(gc.isenabled())
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", add)
+    reps, warmup = 4, 2
+    host_overhead.rows(tensors=3, numel=2, reps=reps, warmup=warmup)
+    assert gc.isenabled()
+    # The baseline alone calls torch._foreach_add_ once per round, with the collector off; count_launches' calls
+    # (before the sampling) run with it on.
+    assert enabled.count(False) >= reps + warmup and True in enabled
 
 
 def test_triton_rows_skip_only_the_launches():
