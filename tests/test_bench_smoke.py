@@ -646,8 +646,15 @@ def test_kernel_configs_times_the_triton_folds_under_each_block_configuration(mo
 
     from gafused.triton_backend import _layout
 
-    if "triton" not in gafused.available_backends("cpu"):
-        pytest.skip("triton is not importable")
+    # Triton runs on CPU only under its interpreter (TRITON_INTERPRET=1, as CI sets); on a GPU machine without it,
+    # the folds run on the GPU.
+    device = torch.device("cpu")
+    reason = gafused.ops.backend_unavailable_reason("triton", device)
+    if reason is not None and torch.cuda.is_available():
+        device = torch.device("cuda")
+        reason = gafused.ops.backend_unavailable_reason("triton", device)
+    if reason is not None:
+        pytest.skip(reason)
     built = []
     original = _layout._block_table
 
@@ -671,7 +678,7 @@ def test_kernel_configs_times_the_triton_folds_under_each_block_configuration(mo
 
     monkeypatch.setattr(_layout, "_block_table", spy)
     monkeypatch.setattr(fold, "_fold_kernel", Recording())
-    rows = kernel_configs.run(torch.device("cpu"), [1 / 64], [(512, 2), (256, 8)], reps=3)
+    rows = kernel_configs.run(device, [1 / 64], [(512, 2), (256, 8)], reps=3)
     # The heuristic's own config first, then the ones asked for; each config's warps reach the fold launches of
     # both gradient dtypes (fold_num_warps would give 16-bit gradients 4 of 8); both heuristics are restored.
     assert built == [(1024, 4), (512, 2), (256, 8)]
@@ -682,7 +689,8 @@ def test_kernel_configs_times_the_triton_folds_under_each_block_configuration(mo
     assert seen == {("default", *k) for k in folds | {("scale_cast", "-"), ("sum_of_squares", "-")}} | {
         (config, *k) for k in folds for config in ("512x2", "256x8")
     }
-    assert all(r["backend"] == "triton" and r["idle_ms"] > 0 and r["queued_ms"] is None for r in rows)
+    assert all(r["backend"] == "triton" and r["idle_ms"] > 0 for r in rows)
+    assert all((r["queued_ms"] is None) == (device.type == "cpu") for r in rows)
     table = kernel_configs.format_table(rows)
     assert "512x2" in table and "fold_finish" in table
 
