@@ -1417,14 +1417,14 @@ class GradAccumulator(torch.optim.Optimizer):
             self._bad_weight = bad if self._bad_weight is None else self._bad_weight | bad
 
     def _check_weight_value(self, value: float, given: Any = None) -> None:
-        shown = value if given is None else given
+        shown = ops.number_text(value if given is None else given)
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"weight must be a non-negative finite number, got {shown!r}")
+            raise ValueError(f"weight must be a non-negative finite number, got {shown}")
         tiny, top, dtype = self._weight_range
         if value != 0 and not tiny <= value <= top:
             raise ValueError(
                 f"weight must be 0 or between {tiny:.4g} and {top:.4g} (normal numbers of the {dtype} accumulation), "
-                f"got {shown!r}; rescale the weights (with normalization='mean' only their ratios matter)"
+                f"got {shown}; rescale the weights (with normalization='mean' only their ratios matter)"
             )
 
     def _held_grads(self) -> list[list[torch.Tensor | None]]:

@@ -288,6 +288,18 @@ def to_device(
     return value.to(device=device, dtype=dtype, non_blocking=device.type != "cpu", copy=copy)
 
 
+def number_text(value: numbers.Real) -> str:
+    """How an error message shows a number: its repr, or the size of an int or fraction too long to show (Python
+    refuses ``str()`` of an int of more than 4300 digits, and a few hundred are no use to a reader)."""
+    if isinstance(value, numbers.Integral) and int(value).bit_length() > 64:
+        return f"an int of {int(value).bit_length()} bits"
+    if isinstance(value, numbers.Rational) and not isinstance(value, numbers.Integral):
+        top, bottom = int(value.numerator).bit_length(), int(value.denominator).bit_length()
+        if max(top, bottom) > 64:
+            return f"a {type(value).__name__} of a {top}-bit numerator over a {bottom}-bit denominator"
+    return repr(value)
+
+
 def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> torch.Tensor:
     """A 0-d tensor on the buffer's device in its dtype; a tensor is moved without a host sync unless it goes from a
     device to a CPU buffer (see ``to_device``). A number is rounded into the dtype as a float64 tensor would be
@@ -310,7 +322,9 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
     try:
         number = float(value)
     except OverflowError:
-        raise ValueError(f"{name} is too large for a float: {value}") from None
+        raise ValueError(
+            f"{name} is too large for a float: {number_text(value)}; float64 stops below 2**1024"
+        ) from None
     if abs(number) > torch.finfo(buffer.accum_dtype).max and math.isfinite(number):
         number = torch.tensor(number, dtype=torch.float64).to(buffer.accum_dtype).item()  # inf, or max if it rounds
     return torch.full((), number, dtype=buffer.accum_dtype, device=buffer.device)

@@ -701,8 +701,23 @@ def test_weight_outside_the_accumulation_range_is_refused(backend, loop, weight)
         (torch.tensor(True), ValueError, "real number"),
         (True, TypeError, "weight"),
         ("3", TypeError, "weight"),
+        # Ints no float holds, one too long for str(): the error gives their size.
+        (10**400, ValueError, "non-negative finite number, got an int of 1329 bits$"),
+        (10**5000, ValueError, "non-negative finite number, got an int of 16610 bits$"),
     ],
-    ids=["negative", "nan", "inf", "negative-tensor", "nan-tensor", "1d-tensor", "bool-tensor", "bool", "string"],
+    ids=[
+        "negative",
+        "nan",
+        "inf",
+        "negative-tensor",
+        "nan-tensor",
+        "1d-tensor",
+        "bool-tensor",
+        "bool",
+        "string",
+        "huge-int",
+        "int-too-long-to-show",
+    ],  # fmt: skip
 )
 def test_refused_step_changes_nothing_and_can_be_retried(backend, weight, error, message):
     model = _model()

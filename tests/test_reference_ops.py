@@ -277,8 +277,13 @@ def test_a_number_beyond_the_buffers_range_rounds_as_a_tensor_would(backend):
     ops.fold_(buffer, [torch.ones(3)], above, first=True, backend=backend)
     assert torch.equal(buffer.data[:3], torch.full((3,), torch.finfo(torch.float32).max))
     before = buffer.data.clone()
-    with pytest.raises(ValueError, match=r"scale is too large for a float: 1000000000"):
+    with pytest.raises(ValueError, match=r"scale is too large for a float: an int of 1329 bits; float64 stops"):
         ops.fold_finish_(buffer, [torch.ones(3)], 1.0, 10**400, first=False, backend=backend)
+    # Too long for str() (more than 4300 digits), and not an int: the error still names the value's size.
+    with pytest.raises(ValueError, match=r"weight is too large for a float: an int of 16610 bits"):
+        ops.fold_(buffer, [torch.ones(3)], -(10**5000), first=False, backend=backend)
+    with pytest.raises(ValueError, match=r"weight is too large for a float: a Fraction of a 1329-bit numerator over"):
+        ops.fold_(buffer, [torch.ones(3)], Fraction(10**400, 3), first=False, backend=backend)
     assert torch.equal(buffer.data, before)
 
 
