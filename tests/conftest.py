@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,23 @@ import torch
 # skip the triton backend (see ``backend``).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _children_import_this_gafused() -> None:
+    """Subprocesses (distributed workers, framework launchers, bench scripts) import gafused anew and do not inherit
+    sys.path: when this process imported a checkout that is not installed (``python -m pytest`` from the repository
+    root puts it on sys.path), they get it through PYTHONPATH too, instead of failing or finding another copy."""
+    import gafused
+
+    root = Path(gafused.__file__).resolve().parents[1]
+    if not (root / "setup.py").is_file():  # an installed copy: children find it where this process did
+        return
+    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    if not paths or Path(paths[0]).resolve() != root:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
+
+
+_children_import_this_gafused()
 
 # Backends the ``backend`` fixture runs a test with. cuda is left out: it never runs the CPU models these tests
 # build; tests/test_cuda_ops.py covers it on a GPU.
