@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -83,3 +84,25 @@ def micro_batch(opt: Any, loss: Any, loop: str, weight: Any = None, end_window: 
     else:
         loss.backward()
         opt.step(weight=weight, end_window=end_window)
+
+
+def own_scalar_case(backend: str, device: str, numel: int) -> None:
+    """A 0-d view of the buffer as the scalar of ``scale_``, ``fold_`` and ``fold_finish_`` (two segments of ``numel``
+    elements): each op must use the value it held when the op was called, though the op writes it."""
+    from gafused import FlatGradBuffer, ops
+
+    buffer = FlatGradBuffer([torch.empty(numel, device=device), torch.empty(numel, device=device)], torch.float32)
+
+    def full(value: float) -> torch.Tensor:
+        return torch.full((numel,), value, device=device)
+
+    ops.fold_(buffer, [full(2.0), full(3.0)], 1.0, first=True, backend="reference")
+    ops.scale_(buffer, buffer.data[0], backend=backend)  # coef 2
+    assert torch.equal(buffer.segment(0), full(4.0)) and torch.equal(buffer.segment(1), full(6.0))
+    ops.fold_(buffer, [full(1.0), full(1.0)], buffer.data[0], first=False, backend=backend)  # weight 4
+    assert torch.equal(buffer.segment(0), full(8.0)) and torch.equal(buffer.segment(1), full(10.0))
+    scale = buffer.data[0]  # 8
+    total, nonfinite = ops.fold_finish_(buffer, [full(1.0), full(1.0)], 1.0, scale, first=False, backend=backend)
+    assert torch.equal(buffer.segment(0), full(72.0)) and torch.equal(buffer.segment(1), full(88.0))
+    assert math.isclose(float(total), numel * (72.0**2 + 88.0**2), rel_tol=2e-5)  # squares summed in float32
+    assert not bool(nonfinite)

@@ -1181,13 +1181,16 @@ def test_a_device_tensor_learning_rate_changed_in_place_inside_a_window_warns(de
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_backend", ["auto", "foreach", "triton", "cuda"])
 @pytest.mark.parametrize("loop", ["step", "backward"])
 @pytest.mark.parametrize("weight", ["number", "cpu tensor", "cuda tensor"])
-def test_a_middle_micro_step_makes_no_host_sync(loop, weight):
-    """No host sync per micro-step, whatever the weight is given as: a CPU tensor's value is read on the host and
-    not copied to the device (a blocking copy would wait for the queued backward)."""
+def test_a_middle_micro_step_makes_no_host_sync(loop, weight, gpu_backend):
+    """No host sync per micro-step, whatever the weight is given as and on every backend a GPU runs: a CPU tensor's
+    value is read on the host and not copied to the device (a blocking copy would wait for the queued backward)."""
+    if gpu_backend != "auto" and ops.backend_unavailable_reason(gpu_backend, "cuda") is not None:
+        pytest.skip(ops.backend_unavailable_reason(gpu_backend, "cuda"))
     model = _model(torch.float32).cuda()
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4, backend=gpu_backend)
     batches = [(x.cuda(), y.cuda()) for x, y in _data([3] * 6, dtype=torch.float32, seed=8)]
     given = {
         "number": lambda: 3.0,

@@ -17,6 +17,8 @@ import torch
 from gafused import ops, reference
 from gafused.buffer import FlatGradBuffer
 
+from casekit import own_scalar_case
+
 ACCUM_DTYPES = [torch.float32, torch.float64]
 GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 # Empty, one element, odd, around the 8192-element chunk, and past 2**16.
@@ -500,6 +502,18 @@ def test_scale_matches_reference_bitwise(accum_dtype, out_dtype, layout):
     _assert_bitwise(acc, expected)
     if out is not None:
         _assert_bitwise(out, expected_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["foreach", "triton", "cuda"])
+def test_a_scalar_in_the_buffers_own_memory_is_read_before_the_op_writes(backend):
+    """tests/test_reference_ops.py's CPU case on a GPU, at 2**24 elements per segment: thousands of programs, most
+    of them starting after the first wrote the scalar's element, which a kernel reading the scalar in every program
+    would then see changed."""
+    reason = ops.backend_unavailable_reason(backend, "cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    own_scalar_case(backend, "cuda", 1 << 24)
 
 
 # --- GPU: against triton, argument checks --------------------------------------------------------------------

@@ -8,6 +8,8 @@ import torch
 
 from gafused import FlatGradBuffer, ops, reference
 
+from casekit import own_scalar_case
+
 SHAPES = {
     "mixed": [(5,), (3, 7), (0,), (1,), (2, 3, 4), (17,)],
     "one-element": [(1,)],
@@ -293,14 +295,7 @@ def test_a_scalar_in_the_buffers_own_memory_is_read_before_the_op_writes(backend
     called, on every backend (the fused kernels read the scalar in every program, after others wrote it)."""
     if backend == "triton" and ops.backend_unavailable_reason("triton", "cpu"):
         pytest.skip(ops.backend_unavailable_reason("triton", "cpu"))
-    buffer = _buffer([(3000,), (2000,)])
-    ops.fold_(buffer, [torch.full((3000,), 2.0), torch.full((2000,), 3.0)], 1.0, first=True, backend="reference")
-    ops.scale_(buffer, buffer.data[0], backend=backend)
-    assert torch.equal(buffer.segment(0), torch.full((3000,), 4.0))
-    assert torch.equal(buffer.segment(1), torch.full((2000,), 6.0))
-    ops.fold_(buffer, [torch.ones(3000), torch.ones(2000)], buffer.data[0], first=False, backend=backend)
-    assert torch.equal(buffer.segment(0), torch.full((3000,), 8.0))
-    assert torch.equal(buffer.segment(1), torch.full((2000,), 10.0))
+    own_scalar_case(backend, "cpu", 3000)
 
 
 @pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
