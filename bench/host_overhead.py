@@ -29,7 +29,11 @@ with its kernel launches skipped: gafused's own host work per call (checks, tabl
 launcher or the interpreter, which a GPU run adds.
 Each row gives the median and 20/80% quantiles in microseconds, the ratio to the baseline's median, and what one
 call launches (``launches``: CUDA kernels on a GPU, leaf compute aten ops on CPU; ``timing.count_launches``, one
-call under ``torch.profiler`` before the sampling).
+call under ``torch.profiler`` after the sampling). A profiler session can leave its CUDA hooks (CUPTI) attached
+and every later launch slower (torch tears them down only when ``TEARDOWN_CUPTI=1``), so the last two rows time the
+baseline called back to back (warm caches: below the first row, whose calls follow other cases), just before and
+just after the counted calls: ``after`` well above ``before`` says that what a benchmark times after a profiled
+call pays for it.
 Timings use ``time.perf_counter`` around each call. The cases' samples are interleaved, in a new (seeded) order
 every round, so neither load from other processes nor what the previous case left behind (a synchronize that
 waited on its kernels, its garbage) falls on one case more than another; Python's cyclic garbage collector is
@@ -129,7 +133,8 @@ def rows(
     Returns:
         One dict per measurement: ``what``, ``backend``, ``tensors``, ``numel``, ``median_us``, ``q20_us``,
         ``q80_us``, ``ratio`` (median over the ``torch._foreach_add_`` median; 1.0 for the baseline), ``launches``
-        (``timing.count_launches`` of one call: CUDA kernels, or leaf compute aten ops on CPU), ``reps``
+        (``timing.count_launches`` of one call: CUDA kernels, or leaf compute aten ops on CPU; None when stopped
+        before they were counted), ``reps``
         (samples taken) and ``interrupted`` (None, or what ``interrupt.describe`` says of a SIGTERM or Ctrl-C that
         stopped the sampling after at least two rounds: the rows then hold the rounds taken) and ``note`` (why the
         layout match missed, on a ``check_grads (per gradient)`` row; else None).
@@ -164,7 +169,7 @@ def rows(
             param.grad = None
 
     give_back()
-    cases.append(("read p.grad", "-", lambda: [param.grad for param in held], None))
+    cases.append(("read p.grad", "-", lambda: [param.grad for param in held], give_back))
     cases.append(("release p.grad", "-", release, give_back))
     # gafused's gradient check alone, what `check=False` skips: one C++ match against the layout the buffer last
     # accepted, or, when that misses, a Python check per gradient. Which one ran shows in the row's name: a match
@@ -207,36 +212,61 @@ def rows(
         cases.append(("fold_ check=False", label, runs[1], None))
         cases.append(("step", label, runs[2], hand_over))
 
-    launches = [timing.count_launches(run, prepare, device) for _, _, run, prepare in cases]
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    collecting = gc.isenabled()
+
+    def sample(run: Callable[[], object], prepare: Callable[[], object] | None) -> float:
+        """One timed call in microseconds, without the garbage collector (module doc)."""
+        if prepare is not None:
+            prepare()
+        synchronize()
+        try:
+            gc.disable()
+            start = time.perf_counter()
+            run()
+            return (time.perf_counter() - start) * 1e6
+        finally:
+            if collecting:
+                gc.enable()
+
     samples: list[list[float]] = [[] for _ in cases]
+    launches: list[int | None] = [None] * len(cases)
+    alone: dict[str, list[float]] = {"before": [], "after": []}  # the baseline called back to back (module doc)
     stopped = None
     # Samples of all cases are interleaved, in a new order each round (module doc).
     order = list(range(len(cases)))
     shuffle = random.Random(0).shuffle
+    during = "sampling"
     try:
         for rep in range(warmup + reps):
             shuffle(order)
             for index in order:
-                _, _, run, prepare = cases[index]
-                if prepare is not None:
-                    prepare()
-                synchronize()
-                gc.disable()
-                try:
-                    start = time.perf_counter()
-                    run()
-                    elapsed = (time.perf_counter() - start) * 1e6
-                finally:
-                    gc.enable()
+                elapsed = sample(cases[index][2], cases[index][3])
                 if rep >= warmup:
                     samples[index].append(elapsed)
+        # Launches are counted after the sampling: a profiled call can leave the profiler's CUDA hooks (CUPTI)
+        # attached, costing every later launch host time. The baseline called back to back just before and just
+        # after the counted calls says whether it did.
+        for moment in alone:
+            if moment == "after":
+                during = "counting launches"
+                launches = [timing.count_launches(run, prepare, device) for _, _, run, prepare in cases]
+            during = f"sampling the baseline alone, {moment} profiling"
+            for rep in range(warmup + reps):
+                elapsed = sample(cases[0][2], cases[0][3])
+                if rep >= warmup:
+                    alone[moment].append(elapsed)
     except interrupt.STOPPED as stop:
         taken = min(len(times) for times in samples)  # whole rounds only: every case the same count
         if taken < 2:
             raise
         samples = [times[:taken] for times in samples]
-        stopped = interrupt.describe(stop, f"sampling, after {taken} of {reps} rounds")
+        stopped = interrupt.describe(stop, f"{during}, after {taken} of {reps} rounds")
+    for moment, times in alone.items():
+        if len(times) >= 2:
+            cases.append((f"{cases[0][0]} alone, {moment} profiling", "-", cases[0][2], cases[0][3]))
+            samples.append(times)
+            launches.append(launches[0])
     results: list[dict[str, object]] = []
     for (what, backend, _, _), times, count in zip(cases, samples, launches, strict=True):
         q = statistics.quantiles(times, n=5)
@@ -277,13 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} thread(s), {table[0]['reps']} samples per row"
     )
     print(f"launches: {timing.launch_unit(args.device)} in one call")
+    width = max(len(row["what"]) for row in table)
     print(
-        f"{'what':<30} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10} {'launches':>9}"
+        f"{'what':<{width}} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10} "
+        f"{'launches':>9}"
     )
     for row in table:
         print(
-            f"{row['what']:<30} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
-            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f} {row['launches']:>9}"
+            f"{row['what']:<{width}} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
+            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f} {'-' if row['launches'] is None else row['launches']:>9}"
         )
     for row in table:
         if row["note"]:

@@ -33,6 +33,12 @@ def test_rows_cover_the_baseline_and_every_cpu_backend():
     assert launches[("torch._foreach_add_", "-")] == 5
     assert launches[("read p.grad", "-")] == 0 and launches[("check_grads (layout matched)", "-")] == 0
     assert launches[("fold_", "foreach")] == launches[("fold_ check=False", "foreach")] > 0
+    # Last, the baseline called back to back just before and just after the launches were counted.
+    assert [row["what"] for row in rows[-2:]] == [
+        "torch._foreach_add_ alone, before profiling",
+        "torch._foreach_add_ alone, after profiling",
+    ]
+    assert all(row["launches"] == 5 and row["reps"] == 3 for row in rows[-2:])
 
 
 def test_timed_calls_run_without_the_garbage_collector(monkeypatch):
@@ -48,9 +54,16 @@ def test_timed_calls_run_without_the_garbage_collector(monkeypatch):
     reps, warmup = 4, 2
     host_overhead.rows(tensors=3, numel=2, reps=reps, warmup=warmup)
     assert gc.isenabled()
-    # The baseline alone calls torch._foreach_add_ once per round, with the collector off; count_launches' calls
-    # (before the sampling) run with it on.
-    assert enabled.count(False) >= reps + warmup and True in enabled
+    # The baseline calls torch._foreach_add_ once per round and twice as many times alone, with the collector off;
+    # count_launches' calls run with it on.
+    assert enabled.count(False) >= 3 * (reps + warmup) and True in enabled
+    # A caller that turned the collector off finds it off afterwards.
+    gc.disable()
+    try:
+        host_overhead.rows(tensors=3, numel=2, reps=2, warmup=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_triton_rows_skip_only_the_launches():
