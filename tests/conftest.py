@@ -22,7 +22,7 @@ def _children_import_this_gafused() -> None:
     if not (root / "setup.py").is_file():  # an installed copy: children find it where this process did
         return
     paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-    if not paths or Path(paths[0]).resolve() != root:
+    if not paths or paths[0] != str(root):  # (a relative entry names another directory in a child's own cwd)
         os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
 
 
