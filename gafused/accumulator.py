@@ -1417,11 +1417,12 @@ class GradAccumulator(torch.optim.Optimizer):
             self._bad_weight = bad if self._bad_weight is None else self._bad_weight | bad
 
     def _check_weight_value(self, value: float, given: Any = None) -> None:
-        shown = ops.number_text(value if given is None else given)
         if not math.isfinite(value) or value < 0:
+            shown = ops.number_text(value if given is None else given)
             raise ValueError(f"weight must be a non-negative finite number, got {shown}")
         tiny, top, dtype = self._weight_range
         if value != 0 and not tiny <= value <= top:
+            shown = ops.number_text(value if given is None else given)
             raise ValueError(
                 f"weight must be 0 or between {tiny:.4g} and {top:.4g} (normal numbers of the {dtype} accumulation), "
                 f"got {shown}; rescale the weights (with normalization='mean' only their ratios matter)"

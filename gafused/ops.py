@@ -289,14 +289,16 @@ def to_device(
 
 
 def number_text(value: numbers.Real) -> str:
-    """How an error message shows a number: its repr, or the size of an int or fraction too long to show (Python
-    refuses ``str()`` of an int of more than 4300 digits, and a few hundred are no use to a reader)."""
-    if isinstance(value, numbers.Integral) and int(value).bit_length() > 64:
-        return f"an int of {int(value).bit_length()} bits"
-    if isinstance(value, numbers.Rational) and not isinstance(value, numbers.Integral):
-        top, bottom = int(value.numerator).bit_length(), int(value.denominator).bit_length()
-        if max(top, bottom) > 64:
-            return f"a {type(value).__name__} of a {top}-bit numerator over a {bottom}-bit denominator"
+    """How an error message shows a number: its repr, or, for an int or fraction of more than 50 digits, its sign and
+    magnitude (Python refuses ``str()`` of an int of more than 4300 digits, and a long one helps no reader)."""
+    if isinstance(value, numbers.Rational):
+        numerator, denominator = int(value.numerator), int(value.denominator)
+        if max(abs(numerator), denominator) >= 10**50:
+            words = ("negative " if numerator < 0 else "") + (
+                "int" if isinstance(value, numbers.Integral) else type(value).__name__
+            )
+            exponent = math.floor(math.log10(abs(numerator)) - math.log10(denominator))
+            return f"{'an' if words[0] in 'aeiou' else 'a'} {words} of about 1e{exponent:+d}"
     return repr(value)
 
 
@@ -323,7 +325,7 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
         number = float(value)
     except OverflowError:
         raise ValueError(
-            f"{name} is too large for a float: {number_text(value)}; float64 stops below 2**1024"
+            f"{name} is too large in magnitude for a float: {number_text(value)}; float64 ends near 1.8e+308"
         ) from None
     if abs(number) > torch.finfo(buffer.accum_dtype).max and math.isfinite(number):
         number = torch.tensor(number, dtype=torch.float64).to(buffer.accum_dtype).item()  # inf, or max if it rounds

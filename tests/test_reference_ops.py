@@ -279,12 +279,13 @@ def test_a_number_beyond_the_buffers_range_rounds_as_a_tensor_would(backend):
     ops.fold_(buffer, [torch.ones(3)], above, first=True, backend=backend)
     assert torch.equal(buffer.data[:3], torch.full((3,), torch.finfo(torch.float32).max))
     before = buffer.data.clone()
-    with pytest.raises(ValueError, match=r"scale is too large for a float: an int of 1329 bits; float64 stops"):
+    too_large = "is too large in magnitude for a float: "
+    with pytest.raises(ValueError, match=rf"scale {too_large}an int of about 1e\+400; float64 ends near 1.8e\+308"):
         ops.fold_finish_(buffer, [torch.ones(3)], 1.0, 10**400, first=False, backend=backend)
-    # Too long for str() (more than 4300 digits), and not an int: the error still names the value's size.
-    with pytest.raises(ValueError, match=r"weight is too large for a float: an int of 16610 bits"):
+    # Too long for str() (more than 4300 digits), negative, not an int: the error gives sign and magnitude.
+    with pytest.raises(ValueError, match=rf"weight {too_large}a negative int of about 1e\+5000;"):
         ops.fold_(buffer, [torch.ones(3)], -(10**5000), first=False, backend=backend)
-    with pytest.raises(ValueError, match=r"weight is too large for a float: a Fraction of a 1329-bit numerator over"):
+    with pytest.raises(ValueError, match=rf"weight {too_large}a Fraction of about 1e\+399;"):
         ops.fold_(buffer, [torch.ones(3)], Fraction(10**400, 3), first=False, backend=backend)
     assert torch.equal(buffer.data, before)
 
