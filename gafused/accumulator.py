@@ -254,9 +254,9 @@ class GradAccumulator(torch.optim.Optimizer):
             params = [param for param_group in optimizer.param_groups for param in param_group["params"]]
             sync = distributed.for_model(model, params, reduce_dtype)
 
-        self.optimizer: torch.optim.Optimizer = optimizer
-        self.accum_dtype: torch.dtype = accum_dtype
-        self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self._optimizer: torch.optim.Optimizer = optimizer
+        self._accum_dtype: torch.dtype = accum_dtype
+        self._grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self._sync: distributed.Sync = sync
         self._global: bool = model is not None  # windows end with collectives (every rank takes part)
         self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes, sync)
@@ -289,10 +289,10 @@ class GradAccumulator(torch.optim.Optimizer):
         self._kinds = list(map(_KIND_OF, self._managed))
         self._strides = list(map(torch.Tensor.stride, self._managed))
 
-        self.micro_step: int = 0
-        self.stepped: bool = False
-        self.skipped_steps: int = 0
-        self.grad_norm: torch.Tensor | None = None
+        self._micro_step: int = 0
+        self._stepped: bool = False
+        self._skipped_steps: int = 0
+        self._grad_norm: torch.Tensor | None = None
         self._weight_sum: torch.Tensor | None = None  # float64, home device
         self._rank_mismatch: torch.Tensor | None = None  # bool, home device: ranks disagree on the window
         self._bad_weight: torch.Tensor | None = None  # bool, home device: a device weight failed its check
@@ -451,7 +451,7 @@ class GradAccumulator(torch.optim.Optimizer):
             raise RuntimeError(
                 "accumulation_steps: backward() opened a micro-batch; change it after that micro-batch's step()"
             )
-        micro_step = getattr(self, "micro_step", 0)
+        micro_step = getattr(self, "_micro_step", 0)
         if steps is not None and steps <= micro_step:
             raise ValueError(
                 f"accumulation_steps must be above the open window's micro_step ({micro_step}), got {steps}: the "
@@ -469,7 +469,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if not isinstance(value, str) or value not in _NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {value!r}")
         current = getattr(self, "_normalization", value)
-        if value != current and (getattr(self, "micro_step", 0) or getattr(self, "_micro", None) is not None):
+        if value != current and (getattr(self, "_micro_step", 0) or getattr(self, "_micro", None) is not None):
             raise RuntimeError(
                 f"normalization: the open window is accumulated to be finished as {current!r}; change it between "
                 "windows (after the window's last step(), or after flush())"
@@ -488,29 +488,65 @@ class GradAccumulator(torch.optim.Optimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's param groups (an LR scheduler reads and writes them there)."""
-        return self.optimizer.param_groups
+        return self._optimizer.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
+        self._optimizer.param_groups = value
 
     @property
     def state(self) -> Any:
         """The inner optimizer's per-parameter state."""
-        return self.optimizer.state
+        return self._optimizer.state
 
     @state.setter
     def state(self, value: Any) -> None:
-        self.optimizer.state = value
+        self._optimizer.state = value
 
     @property
     def defaults(self) -> dict[str, Any]:
         """The inner optimizer's defaults (frameworks and schedulers such as OneCycleLR read them)."""
-        return self.optimizer.defaults
+        return self._optimizer.defaults
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        self._optimizer.defaults = value
+
+    # Read-only: the accumulator's state, changed only by its own calls (setting one would desynchronize the window).
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer, stepped once per window."""
+        return self._optimizer
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches folded into the open window (0 between windows)."""
+        return self._micro_step
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the last ``step()`` (or ``flush()``) ran the inner optimizer's step."""
+        return self._stepped
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Global L2 norm of the last finished window's gradient, before clipping (0-d tensor; None before one)."""
+        return self._grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows whose finished gradient held inf or nan (or whose weights summed to zero): not stepped."""
+        return self._skipped_steps
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        """The dtype gradients accumulate in."""
+        return self._accum_dtype
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler whose scale the folds undo (None without one, or when the one given is disabled)."""
+        return self._grad_scaler
 
     @property
     def backend(self) -> str:
@@ -524,9 +560,9 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"GradAccumulator({type(self.optimizer).__name__}, accumulation_steps={self.accumulation_steps}, "
+            f"GradAccumulator({type(self._optimizer).__name__}, accumulation_steps={self.accumulation_steps}, "
             f"normalization={self.normalization!r}, max_grad_norm={self.max_grad_norm}, "
-            f"accum_dtype={self.accum_dtype}, backend={self.backend!r}, micro_step={self.micro_step})"
+            f"accum_dtype={self._accum_dtype}, backend={self.backend!r}, micro_step={self._micro_step})"
         )
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
@@ -600,7 +636,7 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         _check_bool(end_window, "end_window")
         _check_loss(loss)
-        self._check_param_set(identity=self._micro is None and self.micro_step == 0)
+        self._check_param_set(identity=self._micro is None and self._micro_step == 0)
         micro = self._micro
         if micro is None:
             w, bad = self._weight_tensor(weight)
@@ -616,8 +652,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 "reduced across ranks as they are folded): sum the losses and call backward() once"
             )
         self._check_lr_unchanged()
-        if self.grad_scaler is not None:
-            loss = self.grad_scaler.scale(loss)
+        if self._grad_scaler is not None:
+            loss = self._grad_scaler.scale(loss)
         if micro is None and self._sync.weight_in_loss:
             # FSDP2 sums the ranks' gradients during backward: the weight must be in the loss already. Rounded to
             # the loss's dtype (the dtype backward carries it in), it is the weight counted in the window's sum too.
@@ -772,7 +808,7 @@ class GradAccumulator(torch.optim.Optimizer):
         """Refuse a step the GradScaler unscaled the gradients for (``scaler.step(opt)`` or ``scaler.unscale_(opt)``:
         the AMP recipe around a plain optimizer): the accumulator divides by the scale itself, so the gradients
         would be divided twice. The scaler's record of it is dropped, so the corrected loop's next step() goes on."""
-        scaler = self.grad_scaler
+        scaler = self._grad_scaler
         if scaler is None:
             return
         # Every optimizer's record, not only this one's: the scaler serves this accumulator alone
@@ -802,14 +838,14 @@ class GradAccumulator(torch.optim.Optimizer):
         or loads into. Folded into the window, the zeros would be a micro-batch of weight 1 (a diluted mean, windows
         shifted by one), so the window is not touched. With a window or a micro-batch open nothing is stepped: the
         state_dict() or load_state_dict() DCP calls next refuses, since DCP keeps no window."""
-        if self.micro_step == 0 and self._micro is None:
-            self.optimizer.step()
+        if self._micro_step == 0 and self._micro is None:
+            self._optimizer.step()
 
     def _at_window_edge(self, end_window: bool) -> bool:
         """Whether the micro-batch that step() is about to end starts or ends a window."""
         micro = self._micro
         ending = end_window or self._counted_last() or (micro is not None and micro.ends_window)
-        return self.micro_step == 0 or ending
+        return self._micro_step == 0 or ending
 
     def _end_micro_batch(self, weight: float | torch.Tensor | None, end_window: bool) -> None:
         micro = self._micro
@@ -855,7 +891,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 self._check_window_end()
             else:
                 self._check_ready_to_reduce(micro, grads)
-        if micro is None and self.micro_step == 0:
+        if micro is None and self._micro_step == 0:
             self._start_window()  # may refuse (a grad scaler without a scale yet): before anything changes
         elif micro is None:
             self._check_loss_scale()  # the fold reads it (a resumed window's scaler may have none yet)
@@ -872,13 +908,13 @@ class GradAccumulator(torch.optim.Optimizer):
             else:
                 results = self._fold_all(grads, w, bad, last)
                 del grads  # the last micro-batch's gradients must not outlive the fold (memory)
-        self.micro_step += 1
-        self.stepped = False
+        self._micro_step += 1
+        self._stepped = False
         self._unreduced_seen = self._sync.unreduced_fingerprint()
         if last:
             with self._discarded_on_failure("the window's end failed", unless_ended=True):
                 if self._global:
-                    self._finish_across_ranks(self._reduced_window_sums(self.micro_step))
+                    self._finish_across_ranks(self._reduced_window_sums(self._micro_step))
                 elif late:
                     self._finish(self._finishing_pass())
                 else:
@@ -893,7 +929,7 @@ class GradAccumulator(torch.optim.Optimizer):
         try:
             yield
         except BaseException as error:
-            if not (unless_ended and self.micro_step == 0):
+            if not (unless_ended and self._micro_step == 0):
                 self._discard_window()
                 _add_note(error, f"gafused: {what}; the open accumulation window was discarded")
             raise
@@ -926,7 +962,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "call step() to include them or zero_grad() to drop them first"
             )
         if self._global:
-            if refusal is None and self.micro_step > 0 and self._sync.holds_unreduced():
+            if refusal is None and self._micro_step > 0 and self._sync.holds_unreduced():
                 refusal = RuntimeError(
                     "flush(): FSDP holds this window's gradients unreduced (set_requires_gradient_sync(False)), and "
                     "only a backward reduces them; nothing changed. Declare a partial window's last micro-batch at "
@@ -939,30 +975,30 @@ class GradAccumulator(torch.optim.Optimizer):
                     refusal = error
             # A rank that refuses still joins the window sums, with an impossible count (-1), so that every rank
             # raises here rather than wait in the collective for it; nothing has changed on any rank.
-            sums = self._reduced_window_sums(-1 if refusal is not None else self.micro_step)
+            sums = self._reduced_window_sums(-1 if refusal is not None else self._micro_step)
             if refusal is not None:
                 raise refusal
             count, squares = sums[2:4].tolist()
             if squares * self._sync.world_size != count * count:
                 raise RuntimeError(
-                    f"flush(): the ranks are at different micro-steps (this rank: {self.micro_step}), or another "
+                    f"flush(): the ranks are at different micro-steps (this rank: {self._micro_step}), or another "
                     "rank refused flush() (its error says why); nothing changed. Every rank must run the same "
                     "number of micro-batches before flush()"
                 )
             if count == 0:
-                self.stepped = False
+                self._stepped = False
                 return False
             with self._discarded_on_failure("the window's end failed", unless_ended=True):
                 self._finish_across_ranks(sums)
-            return self.stepped
+            return self._stepped
         if refusal is not None:
             raise refusal
-        if self.micro_step == 0:
-            self.stepped = False
+        if self._micro_step == 0:
+            self._stepped = False
             return False
         with self._discarded_on_failure("the window's end failed", unless_ended=True):
             self._finish(self._finishing_pass())
-        return self.stepped
+        return self._stepped
 
     def _finishing_pass(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Scale and measure every buffer of a window whose micro-batches are all folded (one pass each)."""
@@ -986,7 +1022,7 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _counted_last(self) -> bool:
         """Whether the micro-batch now being ended is the N-th of a counted window."""
-        return self.accumulation_steps is not None and self.micro_step + 1 == self.accumulation_steps
+        return self.accumulation_steps is not None and self._micro_step + 1 == self.accumulation_steps
 
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1007,10 +1043,10 @@ class GradAccumulator(torch.optim.Optimizer):
         if micro is not None and not _called_from_dcp("_init_optim_state"):
             # FSDP with its sync off holds the micro-batch's gradients, summed with the window's earlier ones.
             folded = micro.folded or self._sync.holds_unreduced()
-            if folded and (self.micro_step > 0 or self._reducing):
+            if folded and (self._micro_step > 0 or self._reducing):
                 where = (
-                    f"micro-batch {self.micro_step + 1} of the window"
-                    if self.micro_step > 0
+                    f"micro-batch {self._micro_step + 1} of the window"
+                    if self._micro_step > 0
                     else "a window's last micro-batch, whose buckets are being reduced across ranks"
                 )
                 raise RuntimeError(
@@ -1023,9 +1059,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 return
             self._close_micro_batch()
         elif self._unreduced_since_step():  # loss.backward() under FSDP with its sync off: the gradients are FSDP's
-            if self.micro_step > 0:
+            if self._micro_step > 0:
                 raise RuntimeError(
-                    f"zero_grad(): FSDP holds this micro-batch's gradients (micro-batch {self.micro_step + 1} of the "
+                    f"zero_grad(): FSDP holds this micro-batch's gradients (micro-batch {self._micro_step + 1} of the "
                     "window, its sync off) summed with the window's earlier ones, where they cannot be told apart; "
                     "nothing changed. End it with step()"
                 )
@@ -1063,7 +1099,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self, given: float | torch.Tensor | None, w: torch.Tensor, bad: torch.Tensor | None, end_window: bool
     ) -> _MicroBatch:
         """Start a micro-batch of the backward() loop: its fold weight and, on a window's last, the window scale."""
-        first = self.micro_step == 0
+        first = self._micro_step == 0
         last = end_window or self._counted_last()
         if first:
             self._start_window()
@@ -1088,7 +1124,7 @@ class GradAccumulator(torch.optim.Optimizer):
         normal range (a weight checked on the host can still underflow once divided by the loss scale)."""
         if self._sync.weight_in_loss:
             w = torch.full_like(w, self._sync.fold_factor)
-        if self.grad_scaler is not None:  # the scale this micro-batch's loss was scaled with, read as it is folded
+        if self._grad_scaler is not None:  # the scale this micro-batch's loss was scaled with, read as it is folded
             self._inv_loss_scale = self._read_inv_loss_scale()
         if self._inv_loss_scale is None:
             return w, bad
@@ -1113,7 +1149,7 @@ class GradAccumulator(torch.optim.Optimizer):
         times the new gradients and is measured again."""
         bucket = group.buffer.buckets[bucket_index]
         touched = group.bucket_touched[bucket_index]
-        first = self.micro_step == 0 and not touched
+        first = self._micro_step == 0 and not touched
         if self._micro is not None:
             # Set before the op: one that raises after it started (an interrupt lands as it returns) may have
             # changed the bucket, and the window is then discarded rather than kept with part of this call in it.
@@ -1170,7 +1206,7 @@ class GradAccumulator(torch.optim.Optimizer):
     def _finish_untouched_buckets(self, group: _Group, last: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """At step(): a bucket no gradient reached is zeroed (window's first micro-batch) or finished (last)."""
         for bucket_index, touched in enumerate(group.bucket_touched):
-            if not touched and (self.micro_step == 0 or last):
+            if not touched and (self._micro_step == 0 or last):
                 self._fold_bucket(group, bucket_index, [None] * len(group.buffer.bucket_ranges[bucket_index]))
         results = list(group.bucket_results) if last else []
         group.fold_weight = group.scale = None
@@ -1181,7 +1217,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self, grads: list[list[torch.Tensor | None]], w: torch.Tensor, bad: torch.Tensor | None, last: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The loss.backward() loop: fold every buffer at once (one launch per buffer) and release the gradients."""
-        first = self.micro_step == 0  # (the window was started by the caller)
+        first = self._micro_step == 0  # (the window was started by the caller)
         weight_sum = w if first else self._weight_sum + w
         fold_weight, bad = self._fold_weight(w, bad)
         self._record_bad_weight(bad)
@@ -1317,9 +1353,9 @@ class GradAccumulator(torch.optim.Optimizer):
         a window's first and last micro-batch, where it costs about a microsecond per parameter) which tensors they
         are and whether their layout changed. Also refuse a ``grad_scaler`` that another live accumulator uses
         (``_claim_grad_scaler``)."""
-        if self.grad_scaler is not None:
+        if self._grad_scaler is not None:
             self._claim_grad_scaler()
-        groups = self.optimizer.param_groups
+        groups = self._optimizer.param_groups
         count = sum(len(param_group["params"]) for param_group in groups)
         if count != len(self._managed):
             raise RuntimeError(
@@ -1369,7 +1405,7 @@ class GradAccumulator(torch.optim.Optimizer):
         another one sharing it may hold gradients scaled by the old scale (a window still open, or a backward its
         step has not folded yet): they would be unscaled by the new one, silently off by the growth or backoff
         factor. The first accumulator to use a scaler owns it until that accumulator is garbage-collected."""
-        scaler = self.grad_scaler
+        scaler = self._grad_scaler
         owner_ref = _SCALER_OWNERS.get(scaler)
         owner = None if owner_ref is None else owner_ref()
         if owner is self:
@@ -1521,26 +1557,26 @@ class GradAccumulator(torch.optim.Optimizer):
         self._release_published()
         self._weight_sum = None
         self._bad_weight = None
-        self._window_lrs = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
+        self._window_lrs = [_lr_value(param_group.get("lr")) for param_group in self._optimizer.param_groups]
         self._inv_loss_scale = self._read_inv_loss_scale()
 
     def _read_inv_loss_scale(self) -> torch.Tensor | None:
         """1 / the GradScaler's scale (float64, home device), or None without a scaler."""
-        if self.grad_scaler is None:
+        if self._grad_scaler is None:
             return None
         self._check_loss_scale()
-        return self.grad_scaler._get_scale_async().to(device=self._home, dtype=torch.float64).reciprocal()
+        return self._grad_scaler._get_scale_async().to(device=self._home, dtype=torch.float64).reciprocal()
 
     def _check_loss_scale(self) -> None:
         """Refuse a GradScaler without a scale yet (no ``scaler.scale()`` since it was made or loaded)."""
-        if self.grad_scaler is not None and self.grad_scaler._get_scale_async() is None:
+        if self._grad_scaler is not None and self._grad_scaler._get_scale_async() is None:
             raise RuntimeError("grad_scaler has no scale yet: call scaler.scale(loss).backward() before step()")
 
     def _check_lr_unchanged(self) -> None:
         """Warn once if the learning rate moves inside a window: a scheduler stepped per micro-batch."""
-        if self.micro_step == 0 or self._warned_lr_change or self._window_lrs is None:
+        if self._micro_step == 0 or self._warned_lr_change or self._window_lrs is None:
             return
-        lrs = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
+        lrs = [_lr_value(param_group.get("lr")) for param_group in self._optimizer.param_groups]
         if lrs != self._window_lrs:
             self._warned_lr_change = True
             warnings.warn(
@@ -1570,7 +1606,7 @@ class GradAccumulator(torch.optim.Optimizer):
         values = checks.tolist()
         nonfinite, bad, disagree, may_overflow = (bool(value) for value in values[:4])
         if disagree:
-            micro_step = self.micro_step  # before the discard resets it
+            micro_step = self._micro_step  # before the discard resets it
             self._discard_window()
             raise RuntimeError(
                 f"step(): the ranks ended a window at different micro-steps (this rank: {micro_step}); "
@@ -1583,7 +1619,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 coef = self._clip_coef(norm)
                 again = torch.stack([found_inf, self._may_overflow(norm, coef)]).tolist()
                 nonfinite, may_overflow = (bool(value) for value in again)
-        self.grad_norm = norm
+        self._grad_norm = norm
         if bad:  # a refused window leaves the loss scaler as it was
             self._discard_window()
             raise ValueError(
@@ -1608,7 +1644,7 @@ class GradAccumulator(torch.optim.Optimizer):
                         "a GradAccumulator step pre-hook must return None (or the empty arguments it was given): it "
                         "runs before the inner step, which takes no arguments to change"
                     )
-            self.optimizer.step()
+            self._optimizer.step()
         except BaseException as error:
             self._discard_window()
             _add_note(
@@ -1617,10 +1653,10 @@ class GradAccumulator(torch.optim.Optimizer):
                 "inner optimizer's step raised",
             )
             raise  # the loss scaler stays as it was, as GradScaler.update() is not reached when scaler.step() raises
-        if self.grad_scaler is not None:
+        if self._grad_scaler is not None:
             self._update_grad_scaler(found_inf)
-        self.stepped = True
-        self.micro_step = 0
+        self._stepped = True
+        self._micro_step = 0
         try:
             for post_hook in list(self._optimizer_step_post_hooks.values()):
                 post_hook(self, (), {})
@@ -1658,9 +1694,9 @@ class GradAccumulator(torch.optim.Optimizer):
     def _skip_window(self, found_inf: torch.Tensor | None) -> None:
         """Skip the inner step of a window whose finished gradient is not finite; the loss scaler backs off
         (``found_inf`` None: it is left as it is)."""
-        if self.grad_scaler is not None and found_inf is not None:
+        if self._grad_scaler is not None and found_inf is not None:
             self._update_grad_scaler(found_inf)
-        self.skipped_steps += 1
+        self._skipped_steps += 1
         self._discard_window()
 
     def _measure(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1754,15 +1790,15 @@ class GradAccumulator(torch.optim.Optimizer):
             group.fold_weight = group.scale = None
             group.bucket_touched = [False] * len(group.bucket_touched)
             group.bucket_results = [None] * len(group.bucket_results)
-        self.stepped = False
-        self.micro_step = 0
+        self._stepped = False
+        self._micro_step = 0
         self._weight_sum = None
         self._bad_weight = None
         self._rank_flags = None
 
     def _update_grad_scaler(self, found_inf: torch.Tensor) -> None:
         """What ``GradScaler.update`` does after ``GradScaler.step`` found (or did not find) inf in the grads."""
-        scaler = self.grad_scaler
+        scaler = self._grad_scaler
         if scaler._scale is None:  # loaded and not used since (a resumed window finished by flush()): its loaded scale
             scaler._lazy_init_scale_growth_tracker(found_inf.device)
         scale, growth_tracker = scaler._check_scale_growth_tracker("update")
@@ -1787,16 +1823,16 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
-        if self.micro_step > 0 and self._sync.holds_unreduced():
+        if self._micro_step > 0 and self._sync.holds_unreduced():
             raise RuntimeError(
                 "state_dict(): FSDP holds this window's gradients unreduced (set_requires_gradient_sync(False)), "
                 "outside the accumulator's buffers, so a checkpoint would lose them. Take it at a window's end (when "
                 "opt.stepped is True), or keep FSDP's sync on in windows that may be checkpointed"
             )
-        if self.micro_step > 0 and _called_from_dcp("_get_optim_state_dict"):
+        if self._micro_step > 0 and _called_from_dcp("_get_optim_state_dict"):
             raise RuntimeError(
                 f"state_dict(): torch.distributed.checkpoint keeps only an optimizer state_dict's 'state' and "
-                f"'param_groups', so the open window ({self.micro_step} micro-batches folded) would be lost. Take DCP "
+                f"'param_groups', so the open window ({self._micro_step} micro-batches folded) would be lost. Take DCP "
                 "checkpoints between windows (when opt.stepped is True), or save opt.state_dict() of every rank with "
                 "torch.save"
             )
@@ -1806,8 +1842,8 @@ class GradAccumulator(torch.optim.Optimizer):
             "version": _STATE_VERSION,
             "accumulation_steps": self.accumulation_steps,
             "normalization": self.normalization,
-            "micro_step": self.micro_step,
-            "skipped_steps": self.skipped_steps,
+            "micro_step": self._micro_step,
+            "skipped_steps": self._skipped_steps,
             "weight_sum": None if self._weight_sum is None else self._weight_sum.clone(),
             "bad_weight": None if self._bad_weight is None else self._bad_weight.clone(),
             "inv_loss_scale": None if self._inv_loss_scale is None else self._inv_loss_scale.clone(),
@@ -1822,7 +1858,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "shapes": [list(shape) for shape in group.buffer.shapes],
                 "had_grad": list(group.had_grad),
             }
-            if self.micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
+            if self._micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
                 # Each segment in its parameter's row-major order, whatever the memory format: the checkpoint loads
                 # into the model in either (model.to(memory_format=...) before or after resuming).
                 # Copied into one tensor view by view: a permuted segment's reshape would be a copy of its own.
@@ -1833,7 +1869,7 @@ class GradAccumulator(torch.optim.Optimizer):
                     segments[start : start + view.numel()].view(view.shape).copy_(view)
                 entry["segments"] = segments
             window["buffers"].append(entry)
-        state_dict = {**self.optimizer.state_dict(), "gafused": window}
+        state_dict = {**self._optimizer.state_dict(), "gafused": window}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -1865,7 +1901,7 @@ class GradAccumulator(torch.optim.Optimizer):
         inner, window = self._split_checkpoint(state_dict)
         self._check_groups_match(inner)
         window = self._validated_window(window)
-        self.optimizer.load_state_dict(inner)  # validates its own groups before changing
+        self._optimizer.load_state_dict(inner)  # validates its own groups before changing
 
         def restore(value: torch.Tensor | None) -> torch.Tensor | None:
             return None if value is None else value.to(self._home)
@@ -1878,8 +1914,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 param.grad = None
         self._micro = None
         micro_step = window["micro_step"]
-        self.micro_step = micro_step
-        self.skipped_steps = window["skipped_steps"]
+        self._micro_step = micro_step
+        self._skipped_steps = window["skipped_steps"]
         self._weight_sum = restore(window.get("weight_sum"))
         self._bad_weight = restore(window.get("bad_weight"))
         # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read
@@ -1889,10 +1925,10 @@ class GradAccumulator(torch.optim.Optimizer):
         if saved_lrs is not None:
             # A device-tensor learning rate was recorded by identity, which means nothing in another accumulator:
             # the loaded optimizer's own tensor stands for it.
-            current = [_lr_value(param_group.get("lr")) for param_group in self.optimizer.param_groups]
+            current = [_lr_value(param_group.get("lr")) for param_group in self._optimizer.param_groups]
             saved_lrs = [now if _by_identity(lr) else lr for lr, now in zip(saved_lrs, current, strict=True)]
         self._window_lrs = saved_lrs
-        self.stepped = False
+        self._stepped = False
         for index, group in enumerate(self._groups):
             group.had_grad = [False] * len(group.params)  # what a window's start sets
             if micro_step == 0:
@@ -1919,7 +1955,7 @@ class GradAccumulator(torch.optim.Optimizer):
         saved = inner.get("param_groups")
         if not isinstance(saved, list):
             return  # the inner optimizer's load_state_dict refuses it
-        groups = self.optimizer.param_groups
+        groups = self._optimizer.param_groups
         if len(saved) != len(groups):
             raise ValueError(
                 f"state_dict['param_groups']: the checkpoint has {len(saved)} parameter groups, the optimizer "
@@ -1953,17 +1989,17 @@ class GradAccumulator(torch.optim.Optimizer):
         inner = {key: value for key, value in state_dict.items() if key != "gafused"}
         if "gafused" in state_dict:
             return inner, state_dict["gafused"]
-        if self.micro_step > 0:
+        if self._micro_step > 0:
             raise RuntimeError(
                 "load_state_dict(): the checkpoint is a plain optimizer state (no 'gafused' entry: saved without "
                 "gafused, or through torch.distributed.checkpoint), which holds no window, but this accumulator has "
-                f"an open window ({self.micro_step} micro-batches). Load it between windows"
+                f"an open window ({self._micro_step} micro-batches). Load it between windows"
             )
         buffers = [{"numels": list(g.buffer.numels), "had_grad": [False] * len(g.params)} for g in self._groups]
         return inner, {
             "version": _STATE_VERSION,
             "micro_step": 0,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self._skipped_steps,
             "buffers": buffers,
         }
 
@@ -2030,11 +2066,11 @@ class GradAccumulator(torch.optim.Optimizer):
         lrs = window.get("window_lrs")
         if lrs is not None and (
             not isinstance(lrs, list)
-            or len(lrs) != len(self.optimizer.param_groups)
+            or len(lrs) != len(self._optimizer.param_groups)
             or not all(lr is None or _by_identity(lr) or _is_real(lr) for lr in lrs)
         ):
             raise field_error(
-                "window_lrs", f"None or a list of {len(self.optimizer.param_groups)} learning rates (numbers or None)"
+                "window_lrs", f"None or a list of {len(self._optimizer.param_groups)} learning rates (numbers or None)"
             )
         saved = window.get("buffers")
         if not isinstance(saved, list) or not all(

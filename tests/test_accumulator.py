@@ -737,6 +737,22 @@ def test_refused_step_changes_nothing_and_can_be_retried(backend, weight, error,
     _assert_same_params(model, reference, 1e-12)
 
 
+@pytest.mark.parametrize(
+    "name", ["optimizer", "micro_step", "stepped", "grad_norm", "skipped_steps", "accum_dtype", "grad_scaler"]
+)
+def test_state_attributes_are_read_only(name):
+    """What only the accumulator's own calls change cannot be set: a micro_step set back would lengthen the open
+    window, a grad_scaler set to another object would break the next backward far from the cause."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    _loss(model, *_data([3], seed=3)[0]).backward()
+    opt.step(weight=3)
+    before = getattr(opt, name)
+    with pytest.raises(AttributeError, match=name):
+        setattr(opt, name, 0)
+    assert getattr(opt, name) is before and opt.micro_step == 1
+
+
 def test_sparse_gradients_are_refused_by_name():
     embedding = torch.nn.Embedding(10, 3, sparse=True).double()
     opt = GradAccumulator(torch.optim.SGD(embedding.parameters(), lr=0.1), accumulation_steps=2)
