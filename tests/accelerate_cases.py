@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port, tiny_gpt2_config
+from casekit import case_script_target, free_port, tiny_gpt2_config
 
 GA = 4  # Accelerator(gradient_accumulation_steps=GA)
 # Data sets: (every sequence the same length, micro-batches per process per epoch). 10 makes windows 4, 4, 2.
@@ -474,7 +474,8 @@ if __name__ == "__main__":
     # (Accelerate or transformers asking whether a GPU is there) would fork children that hang in their first
     # CUDA call. With no GPU visible nothing initializes one.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if sys.argv[1:] == ["--report"]:
+    target = case_script_target(sys.argv[1:])
+    if target is None:
         with tempfile.TemporaryDirectory() as scratch:
             out = os.path.join(scratch, "results.pt")
             run_ranks(out, 1)
@@ -483,4 +484,4 @@ if __name__ == "__main__":
             two = torch.load(out, weights_only=False)
         print(report({1: one, 2: two}))
     else:
-        run_ranks(sys.argv[1])
+        run_ranks(target)

@@ -20,6 +20,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def case_script_target(argv: list[str]) -> str | None:
+    """What a ``*_cases.py`` script was asked for: None for ``--report`` (run the cases, print the report), else the
+    file its ranks save their results to (what ``run_case_script`` passes); anything else stops it with its usage,
+    before a rank starts (an option such as ``--help`` would otherwise be taken for a file name)."""
+    if argv == ["--report"]:
+        return None
+    if len(argv) == 1 and not argv[0].startswith("-"):
+        return argv[0]
+    script = Path(sys.argv[0]).name
+    raise SystemExit(f"usage: python {script} --report   (or: python {script} RESULTS_FILE, as the tests run it)")
+
+
 def run_case_script(script: str, out: Path) -> Any:
     """Run a ``*_cases.py`` script (it spawns its ranks) with ``out`` as its argument; what it saved there."""
     script_path = Path(script)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port, leave_spawned_rank
+from casekit import case_script_target, free_port, leave_spawned_rank
 
 WORLD = 2
 N = 3  # micro-batches per window
@@ -884,10 +884,11 @@ if __name__ == "__main__":
 
     import torch.multiprocessing as mp
 
-    if sys.argv[1:] == ["--report"]:
+    target = case_script_target(sys.argv[1:])
+    if target is None:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "results.pt")
             mp.spawn(_rank, args=(free_port(), out), nprocs=WORLD)
             print(report(torch.load(out, weights_only=False)))
     else:
-        mp.spawn(_rank, args=(free_port(), sys.argv[1]), nprocs=WORLD)
+        mp.spawn(_rank, args=(free_port(), target), nprocs=WORLD)

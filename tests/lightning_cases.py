@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port, leave_spawned_rank, tiny_gpt2_config
+from casekit import case_script_target, free_port, leave_spawned_rank, tiny_gpt2_config
 
 WORLD = 2
 N = 3  # accumulate_grad_batches
@@ -359,7 +359,8 @@ def report(ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]]) -> st
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--report"]:
+    target = case_script_target(sys.argv[1:])
+    if target is None:
         warnings.filterwarnings("ignore")
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "ranks.pt")
@@ -368,4 +369,4 @@ if __name__ == "__main__":
             single = run_all(0, 1, folder)
         print(report(ranks, single))
     else:
-        spawn_ranks(sys.argv[1])
+        spawn_ranks(target)

@@ -7,7 +7,10 @@ the last is partial (flush), clipping active, SGD so that any scale error shows 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import torch.distributed as dist
 import gafused
 
 import distributed_cases as cases
-from casekit import run_case_script
+from casekit import case_script_target, run_case_script
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -361,3 +364,18 @@ def test_checkpoint_of_another_world_size_is_refused() -> None:
         opt.load_state_dict(state)
     assert opt.micro_step == 1
     assert all(torch.equal(a, b.data) for a, b in zip(before, opt.buffers, strict=True))
+
+
+def test_case_scripts_take_a_results_file_or_report_and_refuse_anything_else(tmp_path):
+    """``python tests/distributed_cases.py --help`` once took ``--help`` for the results file and wrote one by that
+    name after running every case; the four case scripts now share one reading of their arguments."""
+    assert case_script_target(["--report"]) is None
+    assert case_script_target(["out/results.pt"]) == "out/results.pt"
+    for argv in ([], ["--help"], ["-h"], ["a.pt", "b.pt"], ["--report", "x.pt"]):
+        with pytest.raises(SystemExit, match="usage: python .* --report"):
+            case_script_target(argv)
+    script = Path(cases.__file__)
+    done = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "usage: python distributed_cases.py --report" in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from casekit import free_port, leave_spawned_rank, tiny_gpt2_config
+from casekit import case_script_target, free_port, leave_spawned_rank, tiny_gpt2_config
 
 WORLD = 2
 GA = 4
@@ -485,12 +485,11 @@ def report(saved: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--report"]:
+    target = case_script_target(sys.argv[1:])
+    if target is None:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "results.pt")
             run(out)
             print(report(torch.load(out, weights_only=False)))
-    elif len(sys.argv) == 2:
-        run(sys.argv[1])
     else:
-        raise SystemExit(__doc__)
+        run(target)
