@@ -344,7 +344,8 @@ class GradAccumulator(torch.optim.Optimizer):
         the wrapped optimizer's and forwards reads of attributes it lacks to it; a method of the accumulator found
         on the wrapper's class would run on the wrapper and keep the window's state there, where the accumulator
         never sees it. On such a class every attribute the accumulator's classes define, and the wrapper's class
-        does not, is the accumulator's: ``self.optimizers().backward(...)`` runs ``backward`` of the accumulator."""
+        does not, is the accumulator's (its ``repr`` too): ``self.optimizers().backward(...)`` runs ``backward`` of
+        the accumulator."""
         super().__init_subclass__(**kwargs)
         wrapper = next((base for base in cls.__mro__ if base.__name__ == "LightningOptimizer"), None)
         if wrapper is None:
@@ -352,7 +353,8 @@ class GradAccumulator(torch.optim.Optimizer):
         for base in cls.__mro__:
             if issubclass(base, GradAccumulator):
                 for name in vars(base):
-                    if not name.startswith("__") and name not in vars(wrapper) and name not in vars(cls):
+                    forwarded = not name.startswith("__") or name == "__repr__"  # (repr names the inner optimizer)
+                    if forwarded and name not in vars(wrapper) and name not in vars(cls):
                         setattr(cls, name, _OnTheWrapped(name))
 
     def __del__(self) -> None:

@@ -456,6 +456,9 @@ def test_a_freed_lightning_optimizer_wrapper_leaves_the_accumulator_alone() -> N
     assert hooks > 0 and published > 0
     wrapper = LightningOptimizer(accumulator)
     assert isinstance(wrapper, gafused.GradAccumulator)
+    assert repr(wrapper) == repr(accumulator) and repr(wrapper).startswith("GradAccumulator(SGD, ")
+    with pytest.raises(AttributeError, match="micro_step"):
+        wrapper.micro_step = 0  # read-only on the accumulator, through the wrapper too
     del wrapper
     assert (len(accumulator._hooks._handles), len(accumulator._published_hooks)) == (hooks, published)
     assert all(p.grad is not None for p in model.parameters())
