@@ -245,6 +245,13 @@ def rows(
             if collecting:
                 gc.enable()
 
+    def sample_alone(times: list[float]) -> None:
+        """The baseline called back to back, its samples appended to ``times`` as they are taken."""
+        for rep in range(warmup + reps):
+            elapsed = sample(cases[0][2], cases[0][3])
+            if rep >= warmup:
+                times.append(elapsed)
+
     samples: list[list[float]] = [[] for _ in cases]
     launches: list[int | None] = [None] * len(cases)
     alone: dict[str, list[float]] = {"before": [], "after": []}  # the baseline called back to back (module doc)
@@ -263,15 +270,12 @@ def rows(
         # Launches are counted after the sampling: a profiled call can leave the profiler's CUDA hooks (CUPTI)
         # attached, costing every later launch host time. The baseline called back to back just before and just
         # after the counted calls says whether it did.
-        for moment in alone:
-            if moment == "after":
-                during = "counting launches"
-                launches = [timing.count_launches(run, prepare, device) for _, _, run, prepare in cases]
-            during = f"sampling the baseline alone, {moment} profiling"
-            for rep in range(warmup + reps):
-                elapsed = sample(cases[0][2], cases[0][3])
-                if rep >= warmup:
-                    alone[moment].append(elapsed)
+        during = "sampling the baseline alone, before profiling"
+        sample_alone(alone["before"])
+        during = "counting launches"
+        launches = [timing.count_launches(run, prepare, device) for _, _, run, prepare in cases]
+        during = "sampling the baseline alone, after profiling"
+        sample_alone(alone["after"])
     except interrupt.STOPPED as stop:
         taken = min(len(times) for times in samples)  # whole rounds only: every case the same count
         if taken < 2:

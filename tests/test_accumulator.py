@@ -717,7 +717,7 @@ def test_weight_outside_the_accumulation_range_is_refused(backend, loop, weight)
         "string",
         "huge-int",
         "int-too-long-to-show",
-    ],  # fmt: skip
+    ],
 )
 def test_refused_step_changes_nothing_and_can_be_retried(backend, weight, error, message):
     model = _model()
