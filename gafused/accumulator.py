@@ -1357,15 +1357,10 @@ class GradAccumulator(torch.optim.Optimizer):
         (``_claim_grad_scaler``)."""
         if self._grad_scaler is not None:
             self._claim_grad_scaler()
-        groups = self._optimizer.param_groups
-        count = sum(len(param_group["params"]) for param_group in groups)
-        if count != len(self._managed):
-            raise RuntimeError(
-                f"the inner optimizer now has {count} parameters, GradAccumulator was built for "
-                f"{len(self._managed)}; build a new GradAccumulator after add_param_group()"
-            )
+        self._check_param_count()
         if not identity:
             return
+        groups = self._optimizer.param_groups
         current = itertools.chain.from_iterable(param_group["params"] for param_group in groups)
         if (
             all(map(operator.is_, current, self._managed))
@@ -1401,6 +1396,15 @@ class GradAccumulator(torch.optim.Optimizer):
                     "model (model.to(...), model.double(), model.to(memory_format=...)) or changing a "
                     "parameter's grad_dtype"
                 )
+
+    def _check_param_count(self) -> None:
+        """Refuse an inner optimizer that gained or lost parameters (``add_param_group`` on it, say)."""
+        count = sum(len(param_group["params"]) for param_group in self._optimizer.param_groups)
+        if count != len(self._managed):
+            raise RuntimeError(
+                f"the inner optimizer now has {count} parameters, GradAccumulator was built for "
+                f"{len(self._managed)}; build a new GradAccumulator after add_param_group()"
+            )
 
     def _claim_grad_scaler(self) -> None:
         """One GradScaler per live accumulator. Each accumulator updates its scaler at its own window's end, while
@@ -1825,6 +1829,8 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
+        # A checkpoint of a window laid out for other parameters than the inner optimizer's would load nowhere.
+        self._check_param_count()
         if self._micro_step > 0 and self._sync.holds_unreduced():
             raise RuntimeError(
                 "state_dict(): FSDP holds this window's gradients unreduced (set_requires_gradient_sync(False)), "
@@ -1923,7 +1929,7 @@ class GradAccumulator(torch.optim.Optimizer):
         # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read
         # at the next fold, unscales them. The folded part of the buffer is unscaled already.
         self._inv_loss_scale = None
-        saved_lrs = window.get("window_lrs")
+        saved_lrs = window.get("window_lrs") if micro_step > 0 else None  # a new window records its own
         if saved_lrs is not None:
             # A device-tensor learning rate was recorded by identity, which means nothing in another accumulator:
             # the loaded optimizer's own tensor stands for it.
@@ -1931,6 +1937,7 @@ class GradAccumulator(torch.optim.Optimizer):
             saved_lrs = [now if _by_identity(lr) else lr for lr, now in zip(saved_lrs, current, strict=True)]
         self._window_lrs = saved_lrs
         self._stepped = False
+        self._grad_norm = None  # not in the checkpoint: the norm of the window that ends next
         for index, group in enumerate(self._groups):
             group.had_grad = [False] * len(group.params)  # what a window's start sets
             if micro_step == 0:
@@ -2065,15 +2072,6 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"{self._sync.rank} (the open window holds rank {rank}'s part of the window: load each rank's own "
                 "checkpoint)",
             )
-        lrs = window.get("window_lrs")
-        if lrs is not None and (
-            not isinstance(lrs, list)
-            or len(lrs) != len(self._optimizer.param_groups)
-            or not all(lr is None or _by_identity(lr) or _is_real(lr) for lr in lrs)
-        ):
-            raise field_error(
-                "window_lrs", f"None or a list of {len(self._optimizer.param_groups)} learning rates (numbers or None)"
-            )
         saved = window.get("buffers")
         if not isinstance(saved, list) or not all(
             isinstance(entry, dict)
@@ -2122,6 +2120,16 @@ class GradAccumulator(torch.optim.Optimizer):
                     f"{where}['segments']: expected a flat float32 or float64 tensor of {total} elements holding "
                     f"data, not on the meta device (the window is open at micro_step {micro_step})"
                 )
+        # Checked after the buffers, which say first when the checkpoint is of other parameters.
+        lrs = window.get("window_lrs")  # the open window's (between windows nothing reads them)
+        if lrs is not None and (
+            not isinstance(lrs, list)
+            or len(lrs) != len(self._optimizer.param_groups)
+            or not all(lr is None or _by_identity(lr) or _is_real(lr) for lr in lrs)
+        ):
+            raise field_error(
+                "window_lrs", f"None or a list of {len(self._optimizer.param_groups)} learning rates (numbers or None)"
+            )
         return window
 
 

@@ -492,6 +492,41 @@ def test_parameter_unused_in_a_checkpointed_window_keeps_no_grad_and_is_not_deca
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_between_windows_ignores_the_learning_rates_of_a_window_before():
+    """Between windows the checkpoint's ``window_lrs`` (those of the window that ended) are neither checked nor
+    kept: a checkpoint whose groups have other learning rates loads, and the next window records its own."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, accumulation_steps=2)
+    for x, y in _data([2, 3], seed=4):
+        _micro_step(opt, model, x, y, "step")
+    state = opt.state_dict()
+    assert opt.micro_step == 0
+    state["gafused"]["window_lrs"] = ["not a learning rate"]
+    opt.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "learning rate changed inside a window" from a stale record
+        for x, y in _data([2, 3], seed=5):
+            _micro_step(opt, model, x, y, "step")
+    assert opt.stepped
+
+
+def test_grad_norm_is_none_after_a_load_until_a_window_ends():
+    """``grad_norm`` is not in a checkpoint: after a load it is None (as in a new accumulator), not the norm of a
+    window the load rolled back past."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, max_grad_norm=1.0)
+    batches = _data([2, 3, 2, 1], seed=6)
+    _micro_step(opt, model, *batches[0], "backward")
+    state = opt.state_dict()
+    _micro_step(opt, model, *batches[1], "backward")
+    assert opt.grad_norm is not None
+    opt.load_state_dict(state)
+    assert opt.grad_norm is None and opt.micro_step == 1
+    _micro_step(opt, model, *batches[1], "backward")
+    assert opt.grad_norm is not None and opt.stepped
+
+
 def test_load_state_dict_rejects_other_models():
     opt = GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2)
     same_count = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)).double()
@@ -763,12 +798,18 @@ def test_sparse_gradients_are_refused_by_name():
 
 
 def test_parameters_added_later_are_refused():
+    """A group added to the inner optimizer after the accumulator was built: every call that would use the window
+    refuses, state_dict() too (its checkpoint's window is laid out for parameters the optimizer no longer has)."""
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = GradAccumulator(inner, accumulation_steps=2)
+    opt = GradAccumulator(inner, accumulation_steps=3)
+    x, y = _data([2], seed=3)[0]
+    _micro_step(opt, model, x, y, "step")
     inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
-    with pytest.raises(RuntimeError, match="add_param_group"):
-        opt.step()
+    for call in (opt.step, opt.flush, opt.state_dict, lambda: opt.backward(_loss(model, x, y))):
+        with pytest.raises(RuntimeError, match="add_param_group"):
+            call()
+    assert opt.micro_step == 1
 
 
 # The Triton interpreter computes with numpy, which warns on the 0 * inf this window is made of.
