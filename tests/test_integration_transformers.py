@@ -379,6 +379,47 @@ class OwnForSequenceClassification(_Head):
         return self.loss_function(self.score(x), labels, config=self.config, **kwargs)
 
 
+class _CustomGPT2(transformers.GPT2LMHeadModel):
+    """A user's subclass of a causal LM of the auto mapping: the same forward and loss, another class name."""
+
+
+class _UnmappedLossFunctionLM(_Head):
+    """A model of no auto mapping whose forward calls ``self.loss_function`` and whose loss_type is unset:
+    transformers falls back to the causal-LM loss, which shifts the labels."""
+
+    def forward(self, x, labels=None, **kwargs):
+        return self.loss_function(self.score(x), labels, vocab_size=3, **kwargs)
+
+
+class _OwnLossFunctionAttribute(torch.nn.Module):
+    """A plain module with a ``loss_function`` of its own (no shift): not transformers' fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(4, 3)
+        self.loss_function = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x, labels=None, **kwargs):
+        return self.loss_function(self.score(x), labels)
+
+
+def test_a_subclass_of_a_causal_lm_is_counted_after_the_shift(tmp_path: Path) -> None:
+    """The class name alone missed a subclass of GPT2LMHeadModel (Trainer's count, one item per sequence too many);
+    the classes it derives from are read too, and so is a forward calling transformers' loss function, which
+    falls back to the causal-LM loss for a model without a loss_type."""
+    from gafused.integrations.transformers import _computes_causal_lm_loss
+
+    model = _CustomGPT2(cases.make_model().config)
+    assert model.loss_type is None
+    trainer = _trainer(tmp_path, model=model)
+    batch = cases.collate([{"input_ids": torch.arange(1, 6)}, {"input_ids": torch.arange(1, 3)}])
+    assert int(trainer.loss_items(batch)) == 4 + 1
+    unmapped = _UnmappedLossFunctionLM()
+    unmapped.loss_type = None
+    assert _computes_causal_lm_loss(unmapped)
+    assert not _computes_causal_lm_loss(_OwnLossFunctionAttribute())
+
+
 def _bart_causal_lm() -> transformers.BartForCausalLM:
     """A tiny BartForCausalLM (no dropout): it declares loss_type="ForCausalLM" but computes CrossEntropyLoss()
     over every label itself, and its class is a causal LM of transformers' auto mapping."""
@@ -705,12 +746,34 @@ class OwnShiftingForCausalLM(_Head):
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
+class OwnShiftingWithoutKwargs(_Head):
+    """A hand-written causal LM as nanoGPT writes it: no ``**kwargs`` (Trainer passes it no count), its own loss."""
+
+    def forward(self, x, attention_mask=None, labels=None):
+        logits = self.score(x)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+class HandingLabelsOn(_Head):
+    """A wrapper that hands ``labels`` to another model: its loss is that model's, not its own."""
+
+    def forward(self, x, labels=None):
+        return OwnShiftingWithoutKwargs.forward(self, x, labels=labels)
+
+
 @pytest.mark.parametrize(
     ("head", "shifts"),
-    [(OwnForMaskedLM, False), (OwnShiftingForCausalLM, True), (LossFunctionForMaskedLM, None)],
+    [
+        (OwnForMaskedLM, False),
+        (OwnShiftingForCausalLM, True),
+        (OwnShiftingWithoutKwargs, True),
+        (LossFunctionForMaskedLM, None),
+        (HandingLabelsOn, None),
+    ],
 )
 def test_an_own_loss_is_counted_over_the_labels_its_forward_keeps(head: type, shifts: bool | None) -> None:
-    """After the shift only when the forward slices labels from 1; None (Trainer's rule) for transformers' loss."""
+    """After the shift only when the forward slices labels from 1, with or without ``**kwargs`` in its signature;
+    None (Trainer's rule) for transformers' loss, or for labels handed to another module."""
     from gafused.integrations.transformers import _own_loss_shifts_labels
 
     assert _own_loss_shifts_labels(head.forward) is shifts

@@ -45,7 +45,8 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   are the sequences. "sum" is a plain sum over the sequences, which summing over the window makes the big batch's:
   Trainer's decision (``model_accepts_loss_kwargs``, from the forward's ``**kwargs``) stands and the accumulator
   sums; weighed as a per-micro-batch mean it is refused (no weight makes a mean of sums a sum).
-- Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel) still computes the shifted causal-LM loss, but
+- Causal LMs: a model whose ``loss_type`` is unset (GPT2LMHeadModel, a subclass of it, any model whose forward calls
+  ``self.loss_function``, which falls back to the causal-LM loss) still computes the shifted causal-LM loss, but
   Trainer 5.x counts its items before the shift (one per sequence too many). GafusedTrainer counts them after the
   shift, as Trainer does for models that declare ``loss_type="ForCausalLM"``.
 - The two rules above read the model because its loss is the training loss. With ``label_smoothing_factor`` or a
@@ -516,21 +517,12 @@ def _forward_loss(forward: Any) -> str:
     whose loss may use the count).
     """
     function = _parsed(forward)
-    if function is None:
-        return "unknown"
-    arguments = function.args
-    named = {argument.arg for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
-    if "labels" not in named or arguments.kwarg is None:
+    if function is None or "labels" not in _argument_names(function) or function.args.kwarg is None:
         return "unknown"
     nodes = [node for statement in function.body for node in ast.walk(statement)]
-    if any(
-        (isinstance(node, ast.Name) and node.id == "num_items_in_batch")
-        or (isinstance(node, ast.Constant) and node.value == "num_items_in_batch")
-        or (isinstance(node, ast.keyword) and node.arg == "num_items_in_batch")
-        for node in nodes
-    ):
+    if _names_the_count(nodes):
         return "count"
-    if any(isinstance(node, ast.Attribute) and node.attr == "loss_function" for node in nodes):
+    if _calls_loss_function(nodes):
         return "loss_function"
     for node in nodes:
         if isinstance(node, ast.Call) and any(keyword.arg is None for keyword in node.keywords):
@@ -538,6 +530,24 @@ def _forward_loss(forward: Any) -> str:
             if any(isinstance(name, ast.Name) and name.id == "labels" for value in given for name in ast.walk(value)):
                 return "unknown"
     return "own"
+
+
+def _argument_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    arguments = function.args
+    return {argument.arg for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
+
+
+def _names_the_count(nodes: list[ast.AST]) -> bool:
+    return any(
+        (isinstance(node, ast.Name) and node.id == "num_items_in_batch")
+        or (isinstance(node, ast.Constant) and node.value == "num_items_in_batch")
+        or (isinstance(node, ast.keyword) and node.arg == "num_items_in_batch")
+        for node in nodes
+    )
+
+
+def _calls_loss_function(nodes: list[ast.AST]) -> bool:
+    return any(isinstance(node, ast.Attribute) and node.attr == "loss_function" for node in nodes)
 
 
 def _parsed(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
@@ -551,15 +561,29 @@ def _parsed(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
 
 
 def _own_loss_shifts_labels(forward: Any) -> bool | None:
-    """For a forward that computes its loss itself (``_forward_loss`` says "own"): whether it drops each
-    sequence's first label (slices ``labels`` from 1, as ``labels[:, 1:]``); None for any other forward.
+    """For a forward that computes its loss itself: whether it drops each sequence's first label (slices ``labels``
+    from 1, as ``labels[:, 1:]``); None when its loss is not its own or cannot be told.
 
     Such a loss is a mean over the labels it keeps, whatever ``loss_type`` says (BartForCausalLM's
-    ``CrossEntropyLoss()`` over every label, under ``loss_type="ForCausalLM"``)."""
-    if _forward_loss(forward) != "own":
-        return None
+    ``CrossEntropyLoss()`` over every label, under ``loss_type="ForCausalLM"``). Read with or without ``**kwargs``
+    in the signature (a forward without them gets no count from Trainer, and its loss is a mean all the same). Not
+    its own: a forward that names ``num_items_in_batch``, calls ``self.loss_function``, or hands ``labels`` to
+    another module (as ``labels=...``, or in a call that also passes ``**kwargs``: ``super().forward``, a wrapped
+    model), whose loss is that module's."""
     function = _parsed(forward)
-    for node in ast.walk(function):
+    if function is None or "labels" not in _argument_names(function):
+        return None
+    nodes = [node for statement in function.body for node in ast.walk(statement)]
+    if _names_the_count(nodes) or _calls_loss_function(nodes):
+        return None
+    for node in nodes:
+        if isinstance(node, ast.Call):
+            handed = [keyword.value for keyword in node.keywords if keyword.arg in (None, "labels")]
+            if any(keyword.arg is None for keyword in node.keywords):
+                handed += node.args + [keyword.value for keyword in node.keywords]
+            if any(isinstance(name, ast.Name) and name.id == "labels" for value in handed for name in ast.walk(value)):
+                return None
+    for node in nodes:
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "labels":
             pieces = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             if any(
@@ -591,13 +615,27 @@ def _without_shift_labels(batch: Any) -> Any:
     return batch
 
 
+# PreTrainedModel's loss_function, which falls back to the causal-LM loss for a loss_type it does not know.
+_LOSS_PROPERTY = inspect.getattr_static(transformers.PreTrainedModel, "loss_function", None)
+
+
 def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
-    """A causal LM (by the auto mapping Trainer's label smoother uses) whose ``loss_type`` is unset computes the
-    shifted causal-LM loss (``PreTrainedModel.loss_function`` falls back to it)."""
+    """Whether a model whose ``loss_type`` names no loss of transformers' computes the shifted causal-LM loss: a
+    causal LM of the auto mapping (Trainer's label smoother's list), or a subclass of one, and any model whose
+    forward calls ``self.loss_function`` without a loss function of its own (``PreTrainedModel.loss_function``
+    falls back to the causal-LM loss for a ``loss_type`` it does not know)."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False) or getattr(model, "loss_type", None) in LOSS_MAPPING:
         return False
-    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    causal_lms = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if any(cls.__name__ in causal_lms for cls in type(model).__mro__):
+        return True
+    if hasattr(model, "_loss_function") or inspect.getattr_static(model, "loss_function", None) is not _LOSS_PROPERTY:
+        return False  # a loss function of the model's own (or of the user's) says nothing of a shift
+    function = _parsed(type(model).forward)
+    return function is not None and _calls_loss_function(
+        [node for statement in function.body for node in ast.walk(statement)]
+    )
 
 
 def _check_trainer_internals(owner: Any, names: tuple[str, ...]) -> None:
