@@ -295,14 +295,24 @@ def test_manual_optimization_is_refused() -> None:
     _fit_refused(Manual(0), RuntimeError, "automatic optimization", accumulate_grad_batches=1)
 
 
-@pytest.mark.parametrize("through", ["self.optimizers()", "trainer.optimizers[0]"])
-def test_manual_optimization_through_lightnings_optimizer_wrapper(through: str) -> None:
-    """The refusal above sends manual optimization to the accumulator's own loop; ``self.optimizers()`` returns
-    Lightning's wrapper, whose class subclasses the accumulator's: its backward, flush and properties must act on the
-    accumulator (they once ran on the wrapper: every window empty, nothing stepped, nothing raised)."""
+@pytest.mark.parametrize(
+    ("through", "ending"),
+    [
+        ("self.optimizers()", "end_window"),
+        ("self.optimizers()", "flush"),
+        ("trainer.optimizers[0]", "end_window"),
+        ("trainer.optimizers[0]", "flush"),
+    ],
+)
+def test_manual_optimization_through_lightnings_optimizer_wrapper(through: str, ending: str) -> None:
+    """The refusal above sends manual optimization to the accumulator's own loop (the one its message and README
+    give: ``end_window=self.trainer.is_last_batch`` ends the epoch's partial window; ``flush()`` at the epoch's end
+    does too); ``self.optimizers()`` returns Lightning's wrapper, whose class subclasses the accumulator's: its
+    backward, flush and properties must act on the accumulator (they once ran on the wrapper: every window empty,
+    nothing stepped, nothing raised). ``global_step`` counts micro-batches there, as README says."""
     torch.manual_seed(0)
     data = [(torch.randn(count, 4), torch.randn(count, 3)) for count in (2, 5, 1, 4, 3, 6, 2)]
-    steps, windows = 3, 3  # windows of 3, 3 and a partial 1, ended by flush() at the epoch's end
+    steps, windows = 3, 3  # windows of 3, 3 and a partial 1, ended at the epoch's end
 
     class Manual(pl.LightningModule):
         def __init__(self) -> None:
@@ -325,14 +335,15 @@ def test_manual_optimization_through_lightnings_optimizer_wrapper(through: str) 
             opt = self.optimizer()
             opt.max_grad_norm = 0.5  # a property set through the wrapper
             x, y = batch
-            opt.backward(torch.nn.functional.mse_loss(self.net(x), y), weight=len(x))
+            last = self.trainer.is_last_batch if ending == "end_window" else False
+            opt.backward(torch.nn.functional.mse_loss(self.net(x), y), weight=len(x), end_window=last)
             opt.step()
             opt.zero_grad()
             if opt.stepped:
                 self.norms.append(opt.grad_norm.item())
 
         def on_train_epoch_end(self) -> None:
-            if self.optimizer().flush():
+            if ending == "flush" and self.optimizer().flush():
                 self.norms.append(self.optimizer().grad_norm.item())
 
     module = Manual()
@@ -341,6 +352,8 @@ def test_manual_optimization_through_lightnings_optimizer_wrapper(through: str) 
     accumulator = trainer.optimizers[0]
     assert (accumulator.micro_step, accumulator.max_grad_norm) == (0, 0.5)
     assert len(module.norms) == windows
+    # Lightning counts the steps of its wrapper; the accumulator itself, stepped directly, is not counted.
+    assert trainer.global_step == (len(data) if through == "self.optimizers()" else 0)
 
     # The same windows by hand in float64: the token-weighted mean gradient, clipped at 0.5, an SGD step.
     torch.manual_seed(1)

@@ -425,8 +425,8 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise RuntimeError(
             "GradAccumulation works with automatic optimization; with manual optimization return "
             "gafused.GradAccumulator from configure_optimizers and drive it from training_step (opt = "
-            "self.optimizers(); opt.backward(loss, weight=w); opt.step(); opt.zero_grad()) with Trainer("
-            "accumulate_grad_batches=1)"
+            "self.optimizers(); opt.backward(loss, weight=w, end_window=self.trainer.is_last_batch); opt.step(); "
+            "opt.zero_grad()) with Trainer(accumulate_grad_batches=1); global_step then counts micro-batches"
         )
     clip = trainer.gradient_clip_val
     if clip is not None and clip > 0:
