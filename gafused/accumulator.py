@@ -259,7 +259,13 @@ class GradAccumulator(torch.optim.Optimizer):
         self._grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self._sync: distributed.Sync = sync
         self._global: bool = model is not None  # windows end with collectives (every rank takes part)
-        self._groups: list[_Group] = self._build_groups(optimizer, accum_dtype, backend, bucket_bytes, sync)
+        # Across ranks the buffers are laid out in the model's parameter order, the same on every rank whatever order
+        # each rank's optimizer lists them in (groups built from a set of names, say): buckets and per-parameter
+        # flags are reduced by position.
+        model_order = None if model is None else {id(param): index for index, param in enumerate(model.parameters())}
+        self._groups: list[_Group] = self._build_groups(
+            optimizer, accum_dtype, backend, bucket_bytes, sync, model_order
+        )
         _warn_of_frozen_parameters(self._groups)
         self._home: torch.device = self._groups[0].buffer.device
         # The largest finite value of the narrowest parameter dtype whose finished gradient is cast down from the
@@ -385,7 +391,11 @@ class GradAccumulator(torch.optim.Optimizer):
         backend: str,
         bucket_bytes: int,
         sync: distributed.Sync,
+        model_order: dict[int, int] | None = None,
     ) -> list[_Group]:
+        """One buffer per (device, dtype) of the optimizer's parameters, in the optimizer's order, or with
+        ``model_order`` (id -> position in the model) in the model's: the buffers' parameters, and the buffers by
+        their first parameter."""
         by_key: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
         seen: dict[int, str] = {}
         for group_index, param_group in enumerate(optimizer.param_groups):
@@ -426,8 +436,14 @@ class GradAccumulator(torch.optim.Optimizer):
                 names.append(name)
         if not by_key:
             raise ValueError("optimizer has no parameters to manage")
+        laid_out = list(by_key.items())
+        if model_order is not None:
+            for key, (params, names) in laid_out:
+                pairs = sorted(zip(params, names, strict=True), key=lambda pair: model_order[id(pair[0])])
+                by_key[key] = ([param for param, _ in pairs], [name for _, name in pairs])
+            laid_out = sorted(by_key.items(), key=lambda item: model_order[id(item[1][0][0])])
         groups = []
-        for (device, dtype), (params, names) in by_key.items():
+        for (device, dtype), (params, names) in laid_out:
             buffer_dtype = torch.float64 if dtype == torch.float64 else accum_dtype
             local = [sync.local_tensor(param) for param in params]
             buffer = FlatGradBuffer(local, accum_dtype=buffer_dtype, bucket_bytes=bucket_bytes)

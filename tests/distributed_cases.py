@@ -206,6 +206,7 @@ def run_case(
     bucket_bytes: int = BUCKET_BYTES,
     dtype: torch.dtype = torch.float32,
     weight_scale: float = 1.0,
+    rank_order: bool = False,
 ) -> dict[str, Any]:
     """Train WINDOWS on this rank through one recipe; return the final (full) params, norms and wire counts.
 
@@ -219,12 +220,15 @@ def run_case(
     ``set_requires_gradient_sync(False)`` once, after building; ``opt.backward()`` turns it on for each window's
     last micro-batch only (``reduce_grads`` in the result: FSDP's flags after each window). ``built_in_no_sync``:
     the accumulator is built inside DDP's ``no_sync()``, whose exit turns DDP's own all-reduce back on.
+    ``rank_order``: rank 1's optimizer lists the parameters in reverse order (optimizer groups built from a set of
+    names list them in another order on every process); DDP and FSDP2 reduce in the model's order.
     """
     import gafused
 
     def build(state: dict[str, Any] | None = None) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
         model = _wrap(kind, rank, bucket_view, dtype)
-        inner = torch.optim.SGD(model.parameters(), lr=LR)
+        params = list(model.parameters())
+        inner = torch.optim.SGD(params[::-1] if rank_order and rank == 1 else params, lr=LR)
         with model.no_sync() if built_in_no_sync else contextlib.nullcontext():
             opt = gafused.GradAccumulator(
                 inner,
@@ -373,6 +377,10 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp-backward-f64": {"kind": "fsdp", "loop": "backward", "dtype": torch.float64, "weight_scale": 0.1},
     # The last layer's shards are 2x8 + 2 on rank 0 and 1x8 + 1 on rank 1: 64-byte buckets cut 3 and 2 of them.
     "fsdp-backward-uneven_buckets": {"kind": "fsdp", "loop": "backward", "bucket_bytes": 64},
+    # The ranks' optimizers list the parameters in different orders.
+    "ddp-backward-rank_order": {"kind": "ddp", "loop": "backward", "rank_order": True},
+    "ddp-step-rank_order": {"kind": "ddp", "loop": "step", "rank_order": True},
+    "fsdp-backward-rank_order": {"kind": "fsdp", "loop": "backward", "rank_order": True},
 }
 
 
