@@ -513,9 +513,14 @@ def _check_each(buffer: FlatGradBuffer, grads: CheckedGrads, names: Sequence[str
 
 def _shares_memory(grad: torch.Tensor, buffer: FlatGradBuffer) -> bool:
     """Whether eager ``grad`` is a view of the buffer's storage (tensors with memory only)."""
-    if grad.numel() == 0 or grad.device.type == "meta" or type(grad) is not torch.Tensor:
-        return False  # (an empty tensor has no memory to share: its storage address may be 0, as the buffer's)
-    return grad.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
+    return _same_storage(grad, buffer.data)
+
+
+def _same_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether eager ``tensor`` is a view of ``other``'s storage (tensors with memory only)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
+        return False  # (an empty tensor has no memory to share: its storage address may be 0, as the other's)
+    return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
 def _record_layout(buffer: FlatGradBuffer, given: list[torch.Tensor | None], grads: CheckedGrads) -> None:
@@ -668,8 +673,9 @@ def scale_(
         buffer: the accumulation buffer.
         coef: a number or 0-d tensor (e.g. the clip coefficient, kept on the device).
         out: optional flat tensor with the buffer's layout (same numel and device; float16, bfloat16, float32 or
-            float64, aligned to its element size); when given, the buffer is left as it is and
-            ``out[seg] = (acc[seg] * coef).to(out.dtype)``.
+            float64, aligned to its element size; memory of its own, not the buffer's); when given, the buffer is
+            left as it is and ``out[seg] = (acc[seg] * coef).to(out.dtype)``. A ``coef`` in ``out``'s memory is
+            read before the op writes.
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
     _check_buffer(buffer)
@@ -696,6 +702,13 @@ def scale_(
                 f"out must start at a multiple of its {out.element_size()}-byte element size, got a view of storage "
                 "cut at an odd byte"
             )
+        if out is not None and _shares_memory(out, buffer):
+            raise ValueError(
+                "out shares memory with the buffer (a view of its storage): the op would write what it still reads; "
+                "pass a tensor of its own, or no out to scale the buffer in place"
+            )
+        if out is not None and c.numel() and _same_storage(c, out):
+            c = c.clone()  # a coefficient in out's memory: read before the op writes it
         _backend_for(buffer.data, name).scale_(buffer.data, buffer.offsets, buffer.numels, c, out)
     else:
         _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)

@@ -100,7 +100,8 @@ def micro_batch(opt: Any, loss: Any, loop: str, weight: Any = None, end_window: 
 
 def own_scalar_case(backend: str, device: str, numel: int) -> None:
     """A 0-d view of the buffer as the scalar of ``scale_``, ``fold_`` and ``fold_finish_`` (two segments of ``numel``
-    elements): each op must use the value it held when the op was called, though the op writes it."""
+    elements), and one of ``out`` as the coefficient of ``scale_`` into it: each op must use the value it held when
+    the op was called, though the op writes it."""
     from gafused import FlatGradBuffer, ops
 
     buffer = FlatGradBuffer([torch.empty(numel, device=device), torch.empty(numel, device=device)], torch.float32)
@@ -118,3 +119,7 @@ def own_scalar_case(backend: str, device: str, numel: int) -> None:
     assert torch.equal(buffer.segment(0), full(72.0)) and torch.equal(buffer.segment(1), full(88.0))
     assert math.isclose(float(total), numel * (72.0**2 + 88.0**2), rel_tol=2e-5)  # squares summed in float32
     assert not bool(nonfinite)
+    out = torch.full((buffer.numel,), 0.5, device=device)
+    ops.scale_(buffer, out[buffer.offsets[1]], out=out, backend=backend)  # coef 0.5, in the memory out is written
+    assert torch.equal(out[buffer.offsets[0] : buffer.offsets[0] + numel], full(36.0))
+    assert torch.equal(out[buffer.offsets[1] : buffer.offsets[1] + numel], full(44.0))

@@ -264,6 +264,20 @@ def test_scale_refuses_an_out_that_is_no_tensor_or_requires_grad(backend, out, e
 
 
 @pytest.mark.parametrize(
+    "view", [lambda data: data, lambda data: data.view(torch.bfloat16)[: data.numel()]], ids=["itself", "bf16-view"]
+)
+def test_scale_refuses_an_out_in_the_buffers_memory(backend, view):
+    """A fused kernel's blocks would write what others still read (a bf16 view's element k overlays fp32 element
+    k / 2); refused on every backend, the buffer left as it was."""
+    buffer = FlatGradBuffer([torch.zeros(4), torch.zeros(3)])
+    buffer.data.copy_(torch.arange(buffer.numel, dtype=torch.float32))
+    before = buffer.data.clone()
+    with pytest.raises(ValueError, match="out shares memory with the buffer"):
+        ops.scale_(buffer, 0.5, out=view(buffer.data), backend=backend)
+    assert torch.equal(buffer.data, before)
+
+
+@pytest.mark.parametrize(
     "call, error, message",
     [
         (lambda b: ops.fold_(b.data, [None, None], first=True), TypeError, "buffer must be a gafused.FlatGradBuffer"),
