@@ -1,10 +1,11 @@
 """Providers: the ways of running one accumulation window that the benchmarks compare.
 
-Every provider does the same work per micro-batch: read each ``p.grad`` (assigned from pre-made random
+Every provider computes the same thing per micro-batch: read each ``p.grad`` (assigned from pre-made random
 gradients, as backward would), fold it into fp32 accumulators, release it; on the N-th micro-batch also
 scale by 1/N, take the global L2 norm, clip to ``max_grad_norm`` exactly like
 ``torch.nn.utils.clip_grad_norm_``, and leave the finished gradient in ``p.grad`` in the parameter's dtype.
-Weights are 1 (the default of ``GradAccumulator.step``).
+Weights are 1 (the default of ``GradAccumulator.step``). gafused also checks the finished gradient for inf/nan and
+skips such a window; the other providers do not (as ``clip_grad_norm_`` with ``error_if_nonfinite=False``).
 
 - ``naive``: the per-parameter loop written today: ``main_grad += p.grad.float()``, then per-parameter
   scaling, clipping and a cast back into ``p.grad``.

@@ -157,9 +157,10 @@ def _launches(results: dict) -> list[str]:
             tensors = " and ".join(str(c["tensors"]) for c in counts.values())
             lines += _wrap(
                 f"gafused-triton (what a GPU runs; counted here under the Triton interpreter, not timed): "
-                f"{'/'.join(map(str, sorted(middles)))} kernel per middle micro-step and "
+                f"{'/'.join(map(str, sorted(middles)))} Triton kernel per middle micro-step and "
                 f"{'/'.join(map(str, sorted(lasts)))} per last one, for {tensors} tensors alike: launches do not grow "
-                f"with the parameter count."
+                f"with the parameter count (torch's own kernels for the 0-d weights and scales come on top: the GPU "
+                f"rows' launches count both)."
             )
         else:
             lines.append(f"  gafused-triton launches: {triton['skipped']}")
@@ -243,11 +244,13 @@ def _e2e(results: dict) -> list[str]:
             f"{c['seq_len']}, batch {c['batch']}, AdamW, clip 1.0"
         )
     ]
+    lines.append("  median over the timed steps [20%, 80% quantiles]: ranges that overlap establish no difference")
     for row in result["rows"]:
         peak = "" if row["peak_memory_mb"] is None else f"   peak {row['peak_memory_mb']:.0f} MiB"
         if row.get("peak_requested_mb") is not None:
             peak += f" ({row['peak_requested_mb']:.3f} MiB requested)"
-        lines.append(f"  {row['recipe']:<48} {row['ms_per_step']:>8.1f} ms per optimizer step{peak}")
+        spread = f" [{row['q20_ms']:.1f}, {row['q80_ms']:.1f}]" if row.get("q20_ms") is not None else ""
+        lines.append(f"  {row['recipe']:<48} {row['ms_per_step']:>8.1f} ms per optimizer step{spread}{peak}")
     harness = {round(row["harness_mb"]) for row in result["rows"] if row.get("harness_mb") is not None}
     if harness:
         lines += _wrap(
