@@ -55,7 +55,8 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # Version 2 is unchanged by driven windows and normalization: their fields are optional ("accumulation_steps" may be
 # None; "normalization" is absent from older checkpoints, which were all "mean").
 # 3: segments in each parameter's row-major order, with the shapes; 2: in the buffer's memory order; 1: as 3, no shapes.
-_STATE_VERSION = 3
+# 4: as 3, and with model= the buffers laid out in the model's parameter order (before: the optimizer's, as without).
+_STATE_VERSION = 4
 _NORMALIZATIONS = ("mean", "sum")
 # float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
 # which overflows float16's range (65504) long before float32's.
@@ -1924,7 +1925,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 state_dict = result
         inner, window = self._split_checkpoint(state_dict)
         self._check_groups_match(inner)
-        window = self._validated_window(window)
+        window = self._validated_window(self._in_model_order(window))
         self._optimizer.load_state_dict(inner)  # validates its own groups before changing
 
         def restore(value: torch.Tensor | None) -> torch.Tensor | None:
@@ -2028,12 +2029,63 @@ class GradAccumulator(torch.optim.Optimizer):
             "buffers": buffers,
         }
 
+    def _in_model_order(self, window: Any) -> Any:
+        """An open window saved with ``model=`` before version 4, whose buffers followed the optimizer's parameter
+        order, rearranged into this accumulator's layout (the model's order): each parameter's part goes with it.
+        Anything else, or a window not shaped like that layout (then refused by ``_validated_window``), as given."""
+        if not (self._global and isinstance(window, dict) and window.get("version") in (1, 2, 3)):
+            return window
+        if not isinstance(window.get("micro_step"), int) or window["micro_step"] <= 0:
+            return window
+        position = {id(param): (g, i) for g, group in enumerate(self._groups) for i, param in enumerate(group.params)}
+        old: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+        for param in self._managed:  # the optimizer's order, buffers by (device, dtype) as first met
+            old.setdefault((param.device, param.dtype), []).append(position[id(param)])
+        layouts = list(old.values())
+        if layouts == [[(g, i) for i in range(len(group.params))] for g, group in enumerate(self._groups)]:
+            return window  # the optimizer lists the parameters in the model's order: nothing moved
+        saved = window.get("buffers")
+        if not isinstance(saved, list) or len(saved) != len(layouts):
+            return window
+        parts: dict[tuple[int, int], tuple[int, Any, bool, torch.Tensor]] = {}
+        for entry, layout in zip(saved, layouts, strict=True):
+            if not isinstance(entry, dict):
+                return window
+            numels = [self._groups[g].buffer.numels[i] for g, i in layout]
+            segments, had_grad = entry.get("segments"), entry.get("had_grad")
+            shapes = entry.get("shapes", [None] * len(layout))
+            if (
+                entry.get("numels") != numels
+                or not isinstance(segments, torch.Tensor)
+                or segments.dim() != 1
+                or segments.numel() != sum(numels)
+                or not isinstance(had_grad, list)
+                or len(had_grad) != len(layout)
+                or not isinstance(shapes, list)
+                or len(shapes) != len(layout)
+            ):
+                return window
+            for k, (key, start) in enumerate(zip(layout, _running_starts(numels), strict=True)):
+                parts[key] = (numels[k], shapes[k], had_grad[k], segments[start : start + numels[k]])
+        buffers = []
+        for g, group in enumerate(self._groups):
+            mine = [parts[(g, i)] for i in range(len(group.params))]
+            entry = {
+                "numels": [part[0] for part in mine],
+                "had_grad": [part[2] for part in mine],
+                "segments": torch.cat([part[3] for part in mine]),
+            }
+            if all("shapes" in entry for entry in saved):
+                entry["shapes"] = [part[1] for part in mine]
+            buffers.append(entry)
+        return {**window, "buffers": buffers}
+
     def _validated_window(self, window: Any) -> dict[str, Any]:
         """The window part of a checkpoint, checked field by field against this accumulator."""
         if not isinstance(window, dict):
             raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
         version = window.get("version")
-        if version not in (1, 2, 3):
+        if version not in (1, 2, 3, 4):
             raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
 
         def field_error(name: str, expected: str) -> ValueError:
@@ -2116,7 +2168,7 @@ class GradAccumulator(torch.optim.Optimizer):
             if not isinstance(entry, dict) or entry.get("numels") != group.buffer.numels:
                 raise ValueError(f"{where}: its 'numels' do not match this accumulator's parameters")
             shapes = [list(shape) for shape in group.buffer.shapes]
-            if version == 3 and entry.get("shapes") != shapes:
+            if version >= 3 and entry.get("shapes") != shapes:
                 raise ValueError(f"{where}['shapes']: expected this accumulator's parameters' shapes {shapes}")
             had_grad = entry.get("had_grad")
             if not isinstance(had_grad, list) or len(had_grad) != len(group.params):

@@ -824,6 +824,47 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     return said
 
 
+def run_old_layout_checkpoint(rank: int) -> dict[str, bool]:
+    """A mid-window checkpoint of version 3 (buffers in the optimizer's order) loaded with model= where the optimizer
+    lists the parameters in reverse (the layout is now the model's order): each parameter's part of the window goes
+    with it. The version-3 window is made from this version's by reordering its parts, as version 3 laid them out."""
+    import gafused
+
+    def build() -> tuple[torch.nn.Module, gafused.GradAccumulator]:
+        model = _wrap("ddp", rank)
+        inner = torch.optim.SGD(list(model.parameters())[::-1], lr=LR)
+        return model, gafused.GradAccumulator(inner, N, bucket_bytes=BUCKET_BYTES, model=model)
+
+    model, opt = build()
+    x, y = micro_batch(rank, 0, 0)
+    opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    state = opt.state_dict()
+    window = state["gafused"]
+    (entry,) = window["buffers"]  # one fp32 buffer, in the model's order
+    pieces = entry["segments"].split(entry["numels"])
+    parts = list(zip(entry["numels"], entry["shapes"], entry["had_grad"], pieces, strict=True))
+    parts.reverse()  # the optimizer's order
+    window_v3 = {
+        **window,
+        "version": 3,
+        "buffers": [
+            {
+                "numels": [part[0] for part in parts],
+                "shapes": [part[1] for part in parts],
+                "had_grad": [part[2] for part in parts],
+                "segments": torch.cat([part[3] for part in parts]),
+            }
+        ],
+    }
+    results = {}
+    for name, saved in (("version 4", window), ("version 3, the optimizer's order", window_v3)):
+        _, resumed = build()
+        resumed.load_state_dict({**state, "gafused": saved})
+        results[name] = resumed.micro_step == 1 and torch.equal(resumed.buffers[0].data, opt.buffers[0].data)
+    return results
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -838,6 +879,10 @@ def _rank(rank: int, port: int, out: str) -> None:
         except Exception as error:  # reported by the test, named
             results[name] = {"error": f"{type(error).__name__}: {error}"}
     results["misuse"] = _misuse(rank)
+    try:
+        results["old layout checkpoint"] = run_old_layout_checkpoint(rank)
+    except Exception as error:  # reported by the test, named
+        results["old layout checkpoint"] = {"error": f"{type(error).__name__}: {error}"}
     for name in IRREGULAR:
         try:
             results[f"irregular: {name}"] = run_irregular(rank, name)

@@ -129,6 +129,14 @@ def test_bf16_reduction_is_within_bf16_rounding(ranks: list[dict], truths: dict[
         assert norm == pytest.approx(truth_norm, rel=BF16_ERROR)
 
 
+def test_a_checkpoint_in_the_optimizers_order_loads_in_the_models(ranks: list[dict]) -> None:
+    """Version 3 laid a model='s buffers out in the optimizer's order: such a mid-window checkpoint, of an optimizer
+    that lists the parameters in reverse, restores each parameter's part of the window (the buffers bitwise)."""
+    for rank in range(cases.WORLD):
+        said = ranks[rank]["old layout checkpoint"]
+        assert said == {"version 4": True, "version 3, the optimizer's order": True}, said
+
+
 @pytest.mark.parametrize("loop", ["backward", "step"])
 def test_checkpoint_mid_window_resumes_bitwise(ranks: list[dict], loop: str) -> None:
     resumed, straight = _result(ranks, f"ddp-{loop}-checkpoint"), _result(ranks, f"ddp-{loop}")
