@@ -761,6 +761,13 @@ class HandingLabelsOn(_Head):
         return OwnShiftingWithoutKwargs.forward(self, x, labels=labels)
 
 
+class HandingLabelsOnWithKwargs(_Head):
+    """The same with ``**kwargs`` in its signature, kept to itself (the count never reaches the other model)."""
+
+    def forward(self, x, labels=None, **kwargs):
+        return OwnShiftingWithoutKwargs.forward(self, x, labels=labels)
+
+
 @pytest.mark.parametrize(
     ("head", "shifts"),
     [
@@ -769,6 +776,7 @@ class HandingLabelsOn(_Head):
         (OwnShiftingWithoutKwargs, True),
         (LossFunctionForMaskedLM, None),
         (HandingLabelsOn, None),
+        (HandingLabelsOnWithKwargs, None),
     ],
 )
 def test_an_own_loss_is_counted_over_the_labels_its_forward_keeps(head: type, shifts: bool | None) -> None:
