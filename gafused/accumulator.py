@@ -2047,6 +2047,7 @@ class GradAccumulator(torch.optim.Optimizer):
         saved = window.get("buffers")
         if not isinstance(saved, list) or len(saved) != len(layouts):
             return window
+        with_shapes = all(isinstance(entry, dict) and "shapes" in entry for entry in saved)
         parts: dict[tuple[int, int], tuple[int, Any, bool, torch.Tensor]] = {}
         for entry, layout in zip(saved, layouts, strict=True):
             if not isinstance(entry, dict):
@@ -2070,14 +2071,14 @@ class GradAccumulator(torch.optim.Optimizer):
         buffers = []
         for g, group in enumerate(self._groups):
             mine = [parts[(g, i)] for i in range(len(group.params))]
-            entry = {
+            rearranged = {
                 "numels": [part[0] for part in mine],
                 "had_grad": [part[2] for part in mine],
                 "segments": torch.cat([part[3] for part in mine]),
             }
-            if all("shapes" in entry for entry in saved):
-                entry["shapes"] = [part[1] for part in mine]
-            buffers.append(entry)
+            if with_shapes:
+                rearranged["shapes"] = [part[1] for part in mine]
+            buffers.append(rearranged)
         return {**window, "buffers": buffers}
 
     def _validated_window(self, window: Any) -> dict[str, Any]:
