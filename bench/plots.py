@@ -95,11 +95,15 @@ def correctness(result: dict | None, path: Path) -> Path | None:
     return _save(figure, path)
 
 
-def micro_ms(rows: list[dict] | None, path: Path, device_label: str, provider_order: list[str]) -> Path | None:
-    """ms per micro-batch per set (sets ordered by size), grouped bars per provider; a panel per (dtype, moment).
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
-    Bars, not lines: the sets differ in structure, not only in size, so a line through them would suggest a
-    sweep that was not run.
+
+def micro_ms(rows: list[dict] | None, path: Path, device_label: str, provider_order: list[str]) -> Path | None:
+    """ms per micro-batch per set (sets ordered by size), a marker per provider side by side; a panel per (dtype,
+    moment).
+
+    Markers, not lines: the sets differ in structure, not only in size, so a line through them would suggest a
+    sweep that was not run. Not bars either: on the log axis a bar's height would not be proportional to its time.
     """
     ok = [r for r in rows or [] if r["status"] == "ok"]
     if not ok:
@@ -124,7 +128,8 @@ def micro_ms(rows: list[dict] | None, path: Path, device_label: str, provider_or
                 }
                 shift = (offset - (len(names) - 1) / 2) * width
                 xs = [i + shift for i, (_, s, _) in enumerate(sets) if s in values]
-                axis.bar(xs, [values[s] for _, s, _ in sets if s in values], width, label=name)
+                axis.plot(xs, [values[s] for _, s, _ in sets if s in values], linestyle="none",
+                          marker=_MARKERS[offset % len(_MARKERS)], markersize=6, label=name)  # fmt: skip
             axis.set_xticks(range(len(sets)))
             axis.set_xticklabels([f"{s}\n{t} tensors\n{n / 1e6:.2g}M elements" for n, s, t in sets], fontsize=7)
             axis.set_yscale("log")
