@@ -40,7 +40,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -57,6 +57,7 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # 3: segments in each parameter's row-major order, with the shapes; 2: in the buffer's memory order; 1: as 3, no shapes.
 # 4: as 3, and with model= the buffers laid out in the model's parameter order (before: the optimizer's, as without).
 _STATE_VERSION = 4
+_T = TypeVar("_T")
 _NORMALIZATIONS = ("mean", "sum")
 # float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
 # which overflows float16's range (65504) long before float32's.
@@ -397,7 +398,7 @@ class GradAccumulator(torch.optim.Optimizer):
         """One buffer per (device, dtype) of the optimizer's parameters, in the optimizer's order, or with
         ``model_order`` (id -> position in the model) in the model's: the buffers' parameters, and the buffers by
         their first parameter."""
-        by_key: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
+        listed: list[tuple[torch.Tensor, str]] = []  # (parameter, its name in errors), in the optimizer's order
         seen: dict[int, str] = {}
         for group_index, param_group in enumerate(optimizer.param_groups):
             for param_index, param in enumerate(param_group["params"]):
@@ -432,19 +433,15 @@ class GradAccumulator(torch.optim.Optimizer):
                         "accumulates in its own buffer (accum_dtype) and gives the inner optimizer gradients in the "
                         "parameter's dtype: leave grad_dtype at its default"
                     )
-                params, names = by_key.setdefault((param.device, param.dtype), ([], []))
-                params.append(param)
-                names.append(name)
-        if not by_key:
+                listed.append((param, name))
+        if not listed:
             raise ValueError("optimizer has no parameters to manage")
-        laid_out = list(by_key.items())
         if model_order is not None:
-            for key, (params, names) in laid_out:
-                pairs = sorted(zip(params, names, strict=True), key=lambda pair: model_order[id(pair[0])])
-                by_key[key] = ([param for param, _ in pairs], [name for _, name in pairs])
-            laid_out = sorted(by_key.items(), key=lambda item: model_order[id(item[1][0][0])])
+            listed.sort(key=lambda pair: model_order[id(pair[0])])
         groups = []
-        for (device, dtype), (params, names) in laid_out:
+        for pairs in _by_device_and_dtype(listed, key=lambda pair: pair[0]):
+            params, names = [param for param, _ in pairs], [name for _, name in pairs]
+            device, dtype = params[0].device, params[0].dtype
             buffer_dtype = torch.float64 if dtype == torch.float64 else accum_dtype
             local = [sync.local_tensor(param) for param in params]
             buffer = FlatGradBuffer(local, accum_dtype=buffer_dtype, bucket_bytes=bucket_bytes)
@@ -2038,10 +2035,11 @@ class GradAccumulator(torch.optim.Optimizer):
         if not isinstance(window.get("micro_step"), int) or window["micro_step"] <= 0:
             return window
         position = {id(param): (g, i) for g, group in enumerate(self._groups) for i, param in enumerate(group.params)}
-        old: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
-        for param in self._managed:  # the optimizer's order, buffers by (device, dtype) as first met
-            old.setdefault((param.device, param.dtype), []).append(position[id(param)])
-        layouts = list(old.values())
+        # The layout _build_groups made without model_order: the optimizer's order, a buffer per (device, dtype).
+        layouts = [
+            [position[id(param)] for param in params]
+            for params in _by_device_and_dtype(list(self._managed), key=lambda param: param)
+        ]
         if layouts == [[(g, i) for i in range(len(group.params))] for g, group in enumerate(self._groups)]:
             return window  # the optimizer lists the parameters in the model's order: nothing moved
         saved = window.get("buffers")
@@ -2283,6 +2281,16 @@ def _host_weight(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.item()) if value.device.type == "cpu" and value.dim() == 0 else None
     return _real_number(value)
+
+
+def _by_device_and_dtype(items: list[_T], key: Callable[[_T], torch.Tensor]) -> list[list[_T]]:
+    """``items`` split by the (device, dtype) of their parameter (``key``), each kind in the order first met, each
+    item in its order: the parameters of each buffer, and the buffers in order."""
+    kinds: dict[tuple[torch.device, torch.dtype], list[_T]] = {}
+    for item in items:
+        param = key(item)
+        kinds.setdefault((param.device, param.dtype), []).append(item)
+    return list(kinds.values())
 
 
 def _zeros_like_layout(bucket: FlatGradBuffer) -> FlatGradBuffer:

@@ -302,10 +302,11 @@ def number_text(value: numbers.Real) -> str:
     return repr(value)
 
 
-def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> torch.Tensor:
+def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer, out: object = None) -> torch.Tensor:
     """A 0-d tensor on the buffer's device in its dtype; a tensor is moved without a host sync unless it goes from a
     device to a CPU buffer (see ``to_device``). A number is rounded into the dtype as a float64 tensor would be
-    (beyond its range: inf). A tensor in the buffer's own memory is copied: an op would read it while it writes."""
+    (beyond its range: inf). A tensor in the memory the op writes (the buffer's, or ``out``'s when that is a tensor)
+    is copied: the op would read it while it writes."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
@@ -316,7 +317,13 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer) -> t
         if value.requires_grad:  # its value only: a weight with a graph must not attach one to the buffer
             value = value.detach()
         scalar = to_device(value, buffer.device, buffer.accum_dtype)
-        if scalar is value and type(scalar) is torch.Tensor and _eager(buffer.data) and _shares_memory(scalar, buffer):
+        written = [buffer.data] if not isinstance(out, torch.Tensor) else [buffer.data, out]
+        if (
+            scalar is value
+            and type(scalar) is torch.Tensor
+            and _eager(buffer.data)
+            and any(_same_storage(scalar, tensor) for tensor in written)
+        ):
             scalar = scalar.clone()
         return scalar
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -517,9 +524,13 @@ def _shares_memory(grad: torch.Tensor, buffer: FlatGradBuffer) -> bool:
 
 
 def _same_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether eager ``tensor`` is a view of ``other``'s storage (tensors with memory only)."""
-    if tensor.numel() == 0 or tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
-        return False  # (an empty tensor has no memory to share: its storage address may be 0, as the other's)
+    """Whether eager ``tensor`` and ``other`` are views of one storage (dense tensors with memory only)."""
+    # (An empty tensor has no memory to share: its storage address may be 0, as the other's.)
+    if not all(
+        type(t) is torch.Tensor and t.layout == torch.strided and t.numel() and t.device.type != "meta"
+        for t in (tensor, other)
+    ):
+        return False
     return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
@@ -679,7 +690,7 @@ def scale_(
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
     _check_buffer(buffer)
-    c = _scalar(coef, "coef", buffer)
+    c = _scalar(coef, "coef", buffer, out)
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
@@ -707,8 +718,6 @@ def scale_(
                 "out shares memory with the buffer (a view of its storage): the op would write what it still reads; "
                 "pass a tensor of its own, or no out to scale the buffer in place"
             )
-        if out is not None and c.numel() and _same_storage(c, out):
-            c = c.clone()  # a coefficient in out's memory: read before the op writes it
         _backend_for(buffer.data, name).scale_(buffer.data, buffer.offsets, buffer.numels, c, out)
     else:
         _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)

@@ -519,7 +519,7 @@ def _forward_loss(forward: Any) -> str:
     function = _parsed(forward)
     if function is None or "labels" not in _argument_names(function) or function.args.kwarg is None:
         return "unknown"
-    nodes = [node for statement in function.body for node in ast.walk(statement)]
+    nodes = _body_nodes(function)
     if _names_the_count(nodes):
         return "count"
     if _calls_loss_function(nodes):
@@ -535,6 +535,11 @@ def _forward_loss(forward: Any) -> str:
 def _argument_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     arguments = function.args
     return {argument.arg for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
+
+
+def _body_nodes(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.AST]:
+    """Every node of the function's body (not of its signature's defaults or decorators)."""
+    return [node for statement in function.body for node in ast.walk(statement)]
 
 
 def _names_the_count(nodes: list[ast.AST]) -> bool:
@@ -573,7 +578,7 @@ def _own_loss_shifts_labels(forward: Any) -> bool | None:
     function = _parsed(forward)
     if function is None or "labels" not in _argument_names(function):
         return None
-    nodes = [node for statement in function.body for node in ast.walk(statement)]
+    nodes = _body_nodes(function)
     if _names_the_count(nodes) or _calls_loss_function(nodes):
         return None
     for node in nodes:
@@ -633,9 +638,7 @@ def _computes_causal_lm_loss(model: torch.nn.Module) -> bool:
     if hasattr(model, "_loss_function") or inspect.getattr_static(model, "loss_function", None) is not _LOSS_PROPERTY:
         return False  # a loss function of the model's own (or of the user's) says nothing of a shift
     function = _parsed(type(model).forward)
-    return function is not None and _calls_loss_function(
-        [node for statement in function.body for node in ast.walk(statement)]
-    )
+    return function is not None and _calls_loss_function(_body_nodes(function))
 
 
 def _check_trainer_internals(owner: Any, names: tuple[str, ...]) -> None:
