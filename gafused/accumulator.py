@@ -270,6 +270,8 @@ class GradAccumulator(torch.optim.Optimizer):
         )
         _warn_of_frozen_parameters(self._groups)
         self._home: torch.device = self._groups[0].buffer.device
+        # With model=, a collective: before anything is attached to the model or its parameters.
+        sync.check_same_settings(self._settings(reduce_dtype), self._home)
         # The largest finite value of the narrowest parameter dtype whose finished gradient is cast down from the
         # buffer (fp16: 65504), or None: a finished value beyond it would reach the inner step as inf.
         self._cast_limit: float | None = min(
@@ -385,6 +387,29 @@ class GradAccumulator(torch.optim.Optimizer):
             self._sync.detach()  # DDP synchronizes its own backward again, unless a newer accumulator owns it
 
     # --- construction -----------------------------------------------------------------------------------
+
+    def _settings(self, reduce_dtype: torch.dtype | None) -> dict[str, Any]:
+        """What every rank's accumulator over one model must share: its arguments, and per buffer the parameters'
+        dtype and shapes, the backend and (where gafused all-reduces the buckets, DDP) the bucket cuts. Devices
+        differ across ranks (cuda:0, cuda:1) and so, under FSDP2, do the local shards and their buckets."""
+        settings: dict[str, Any] = {
+            "accumulation_steps": None if self.accumulation_steps is None else int(self.accumulation_steps),
+            "max_grad_norm": self.max_grad_norm,  # a float: 1 and 1.0 are alike
+            "normalization": self.normalization,
+            "accum_dtype": self._accum_dtype,
+            "grad_scaler": self._grad_scaler is not None,
+            "reduce_dtype": reduce_dtype,
+            "parameters": [
+                (group.buffer.device.type, group.param_dtype, [tuple(param.shape) for param in group.params])
+                for group in self._groups
+            ],
+            "backend": [group.backend for group in self._groups],
+        }
+        if self._sync.reduces_buckets:
+            settings["bucket_bytes"] = [
+                [(r.start, r.stop) for r in group.buffer.bucket_ranges] for group in self._groups
+            ]
+        return settings
 
     @staticmethod
     def _build_groups(

@@ -25,6 +25,7 @@ and per bucket whether the rank folded gradients after the bucket's reduction ha
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -97,6 +98,32 @@ class Sync:
     def reduce_norm(self, sum_sq: torch.Tensor, nonfinite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sum_sq, nonfinite
 
+    def check_same_settings(self, settings: dict[str, Any], device: torch.device) -> None:
+        """Raise on every rank if the ranks built their accumulators over the model differently (``settings``: name
+        -> a value whose ``repr`` is the same on every rank that built it alike).
+
+        Ranks whose buckets differ would pair one rank's bucket with another's in the all-reduces (a gloo abort,
+        an NCCL hang or a sum of unrelated gradients), and ranks that clip or normalize differently would let the
+        replicas drift apart with no error. One all-reduce (MAX) of a 62-bit digest of each setting and of its
+        negation gives every rank the largest and the smallest digest: they differ exactly where a rank
+        differs (up to a digest collision)."""
+        if self.world_size == 1:
+            return
+        names = list(settings)
+        digests = [_digest(settings[name]) for name in names]
+        both = torch.tensor(digests + [-digest for digest in digests], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        values = both.tolist()
+        differ = [name for i, name in enumerate(names) if values[i] != -values[len(names) + i]]
+        if differ:
+            here = "; ".join(f"{name}={_short(settings[name])}" for name in differ)
+            raise ValueError(
+                f"model: the ranks built their GradAccumulators over this model with different {', '.join(differ)} "
+                f"(rank {self.rank}: {here}); every rank must pass the same arguments and the same parameters "
+                "(dtypes and shapes, in the same parameter groups) and pick the same backend, or their buckets and "
+                "clipping would not match. Nothing was attached to the model"
+            )
+
     def attach(self) -> None:
         """Take over the wrapper's gradient synchronization (once the accumulator is built)."""
         return None
@@ -151,6 +178,16 @@ class Sync:
         its synchronization taken over, nothing reduces: those whose ids are not in ``held`` (the parameters of
         the accumulators over this model)."""
         return []
+
+
+def _digest(value: Any) -> int:
+    """A 62-bit digest of ``repr(value)``, the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _ddp_reduced(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -249,6 +249,7 @@ def run_case(
     model, opt = build()
     DDP_OWN_ALL_REDUCES[0] = 0
     norms, wire_per_window, wire_before_last, reduce_grads = [], [], [], []
+    wire_at_build = None
     # All-reduces already started when backward reaches the first layer's weight, per micro-batch.
     seen_by_first_layer: list[int] = []
     for window, count in enumerate(WINDOWS):
@@ -282,7 +283,11 @@ def run_case(
                 opt.zero_grad()
                 if checkpoint_at == (window, micro) and not through_dcp:
                     state = {"model": model.state_dict(), "opt": opt.state_dict()}
+                    # The new accumulator's construction check is its own all-reduce, kept out of the window's.
+                    before = wire.calls, wire.bytes
                     model, opt = build(state)
+                    wire_at_build = wire.calls - before[0], wire.bytes - before[1]
+                    wire.calls, wire.bytes = before
             if count < N and not driven:
                 wire_before_last.append(wire.calls)
                 assert opt.flush()
@@ -299,6 +304,8 @@ def run_case(
         "norms": norms,
         "wire": wire_per_window,
         "wire_before_last": wire_before_last,
+        "wire_at_build": wire_at_build,  # (calls, bytes) of building the accumulator anew mid-window
+        "settings": len(opt._settings(reduce_dtype)),  # what the construction check compares across ranks
         "ddp_own_all_reduces": DDP_OWN_ALL_REDUCES[0],
         "seen_by_first_layer": seen_by_first_layer,
         "buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers),
@@ -577,6 +584,27 @@ def _misuse(rank: int) -> dict[str, str]:
     # FSDP held the gradients back and the window's end comes too late to reduce them.
     said["fsdp no_sync end at step"] = _said(RuntimeError, opt.step, end_window=True)
     fsdp.set_requires_gradient_sync(True)
+    # Ranks that build their accumulators differently: refused on every rank at construction, naming the setting,
+    # before anything is attached (DDP keeps its own synchronization).
+    for setting, ranks_values in {
+        "max_grad_norm": (1.0, None),
+        "bucket_bytes": (BUCKET_BYTES, 4 * BUCKET_BYTES),
+        "normalization": ("mean", "sum"),
+    }.items():
+        sgd = torch.optim.SGD(ddp.parameters(), lr=LR)
+        said[f"ddp ranks differ in {setting}"] = _said(
+            ValueError, gafused.GradAccumulator, sgd, N, model=ddp, **{setting: ranks_values[rank]}
+        )
+    said["ddp sync after ranks differ"] = str(ddp.require_backward_grad_sync)
+    # FSDP2 cuts buckets from each rank's own shards: bucket_bytes may differ; clipping may not.
+    fsdp = _wrap("fsdp", rank)
+    sgd = torch.optim.SGD(fsdp.parameters(), lr=LR)
+    said["fsdp ranks differ in bucket_bytes"] = _said(
+        ValueError, gafused.GradAccumulator, sgd, N, model=fsdp, bucket_bytes=(BUCKET_BYTES, 64)[rank]
+    )
+    said["fsdp ranks differ in max_grad_norm"] = _said(
+        ValueError, gafused.GradAccumulator, sgd, N, model=fsdp, max_grad_norm=(None, MAX_NORM)[rank]
+    )
     accumulator = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
     said["ddp sync while the accumulator lives"] = str(ddp.require_backward_grad_sync)
     del accumulator

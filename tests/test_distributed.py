@@ -159,6 +159,15 @@ def test_ddp_one_collective_per_bucket_per_window(ranks: list[dict], name: str) 
     assert result["ddp_own_all_reduces"] == 0
 
 
+@pytest.mark.parametrize("loop", ["backward", "step"])
+def test_building_the_accumulator_checks_the_ranks_agree_in_one_collective(ranks: list[dict], loop: str) -> None:
+    """Construction with model= is one all-reduce of two int64 per setting (a digest and its negation); the case
+    resumed from a mid-window checkpoint builds its accumulator inside a window, where it is counted."""
+    result = _result(ranks, f"ddp-{loop}-checkpoint")
+    assert result["wire_at_build"] == (1, 16 * result["settings"])
+    assert _result(ranks, f"ddp-{loop}")["wire_at_build"] is None
+
+
 def test_ddp_reduction_overlaps_the_last_backward(ranks: list[dict]) -> None:
     """With the weight up front, a bucket's all-reduce starts as soon as it is folded: the last layers' bucket is
     on the wire before backward reaches the first layer (and nothing is, on the earlier micro-batches)."""
@@ -269,6 +278,13 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "end_window=True" in said["fsdp no_sync end at step"]
         assert "cuda" in said["refused construction"]
         assert said["ddp sync after a refused construction"] == "True"  # a refused construction changed nothing
+        for setting in ("max_grad_norm", "bucket_bytes", "normalization"):
+            refused = said[f"ddp ranks differ in {setting}"]
+            assert f"with different {setting} (rank {rank}: {setting}=" in refused, refused
+        assert said["ddp sync after ranks differ"] == "True"  # refused before the accumulator took DDP's sync over
+        assert said["fsdp ranks differ in bucket_bytes"] == "no error"
+        refused = said["fsdp ranks differ in max_grad_norm"]
+        assert f"with different max_grad_norm (rank {rank}: max_grad_norm=" in refused, refused
         assert said["ddp sync while the accumulator lives"] == "False"
         assert said["ddp sync after the accumulator is dropped"] == "True"  # DDP synchronizes again on its own
         assert f"different micro-steps (this rank: {rank + 1})" in said["window ends apart"]
