@@ -141,7 +141,7 @@ def _check_max_norm(value: Any) -> float | None:
         return None
     number = _real_number(value)
     if number is None or not math.isfinite(number) or number <= 0:
-        raise ValueError(f"max_grad_norm must be None or a positive finite number, got {value!r}")
+        raise ValueError(f"max_grad_norm must be None or a positive finite number, got {ops.number_text(value)}")
     return number
 
 
@@ -1754,9 +1754,12 @@ class GradAccumulator(torch.optim.Optimizer):
         # A window whose weights sum to zero holds no data: skipped in either normalization (with "mean" every
         # finished value would be nan, but an all-empty buffer has no value to show it).
         empty_window = self._weight_sum <= 0
-        norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
         # Finite values whose squares overflow the sum (beyond ~1.8e19 in float32) leave the norm unknown: clipping
-        # by an infinite norm would zero the gradient, so such a window is skipped as a non-finite one.
+        # by an infinite norm would zero the gradient, so such a window is skipped as a non-finite one. The parts
+        # come rounded to the buffer's dtype, one per bucket: the float64 total is held to that dtype's range too,
+        # or a sum spread over several buckets (or buffers) would pass where one buffer's part overflowed.
+        total = torch.where(total > torch.finfo(norm_dtype).max, math.inf, total)
+        norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
         return norm, found_inf | empty_window | torch.isinf(norm)
 
     def _adopt_rank_flags(self, values: list[float]) -> list[tuple[int, int]]:

@@ -820,6 +820,8 @@ def test_overflowing_numbers_raise_value_errors_naming_the_argument():
     param = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="max_grad_norm"):
         GradAccumulator(torch.optim.SGD([param], lr=1.0), 2, max_grad_norm=10**400)
+    with pytest.raises(ValueError, match="max_grad_norm .* got an int of about 1e\\+5000"):
+        GradAccumulator(torch.optim.SGD([param], lr=1.0), 2, max_grad_norm=10**5000)  # beyond str()'s 4300 digits
     opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), 2)
     param.grad = torch.ones(2)
     with pytest.raises(ValueError, match="weight"):
