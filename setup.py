@@ -54,8 +54,13 @@ def _cuda_build() -> tuple[list, dict]:
     try:
         import torch
     except ImportError:
+        why = (
+            "torch is not importable in the build environment (pip's build isolation hides an installed torch: "
+            "install with --no-build-isolation)"
+        )
         if _flag("GAFUSED_FORCE_CUDA"):
-            raise RuntimeError("GAFUSED_FORCE_CUDA=1 but torch is not importable in the build environment") from None
+            raise RuntimeError(f"GAFUSED_FORCE_CUDA=1 but {why}") from None
+        print(f"gafused: not building the CUDA extension: {why}", file=sys.stderr)
         return [], {}
     # torch reads CUDA_HOME once, when cpp_extension is imported: settle it first (an explicit one wins).
     if torch.version.cuda is not None and not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):

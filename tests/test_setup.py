@@ -107,6 +107,38 @@ def test_why_nothing_is_built_is_said(monkeypatch, tmp_path, capsys, toolkit, gp
 
 
 @pytest.mark.parametrize("forced", [False, True])
+def test_a_build_environment_without_torch_says_why_nothing_is_built(monkeypatch, capsys, forced):
+    """pip's build isolation hides the installed torch (a plain `pip install .`): no extension, and the reason
+    with its remedy, so a GPU user does not learn of it first from backend="cuda"."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    monkeypatch.delenv("GAFUSED_SKIP_CUDA_BUILD", raising=False)
+    given: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: given.update(kwargs))
+    if forced:
+        monkeypatch.setenv("GAFUSED_FORCE_CUDA", "1")
+        with pytest.raises(
+            RuntimeError, match=r"GAFUSED_FORCE_CUDA=1 but torch is not importable.*--no-build-isolation"
+        ):
+            runpy.run_path(str(SETUP))
+        return
+    monkeypatch.delenv("GAFUSED_FORCE_CUDA", raising=False)
+    runpy.run_path(str(SETUP))
+    assert given["ext_modules"] == [] and given["cmdclass"] == {}
+    said = capsys.readouterr().err
+    assert "not building the CUDA extension: torch is not importable" in said and "--no-build-isolation" in said
+
+
+def test_the_package_version_is_the_one_setup_installs(monkeypatch):
+    import gafused
+
+    given: dict = {}
+    monkeypatch.setenv("GAFUSED_SKIP_CUDA_BUILD", "1")
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: given.update(kwargs))
+    runpy.run_path(str(SETUP))
+    assert given["version"] == gafused.__version__
+
+
+@pytest.mark.parametrize("forced", [False, True])
 def test_a_build_that_fails_installs_without_the_extension_unless_forced(monkeypatch, tmp_path, capsys, forced):
     if forced:
         monkeypatch.setenv("GAFUSED_FORCE_CUDA", "1")
