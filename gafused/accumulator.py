@@ -902,9 +902,11 @@ class GradAccumulator(torch.optim.Optimizer):
                 )
             w, bad = self._weight_tensor(weight)
         grads = self._held_grads()  # every check happens before anything changes
+        # No weight given (so it counts 1), and no gradient since the last step(): plain loss.backward() reached no
+        # parameter, or backward() folded nothing (its loss reached only other tensors).
+        unweighted = weight is None if micro is None else micro.given is None and not micro.folded
         if (
-            micro is None
-            and weight is None
+            unweighted
             and all(grad is None for group in grads for grad in group)
             and not self._counts_empty_steps
             # A window of frozen parameters has no gradients to give (plain PyTorch's step() does nothing then).
@@ -914,9 +916,11 @@ class GradAccumulator(torch.optim.Optimizer):
             raise RuntimeError(
                 "step(): no parameter of the accumulator received a gradient since the last step(): it would count "
                 "an empty micro-batch of weight 1, diluting the window's mean (a step() called twice, or "
-                "step(end_window=True) where flush() was meant). Run this micro-batch's backward first; to count a "
-                "micro-batch without gradients on purpose, give its weight: step(weight=w) (a window whose weights "
-                "are all 0 is skipped)"
+                "step(end_window=True) where flush() was meant, or a backward() whose loss reached none of its "
+                "parameters). Run this micro-batch's backward first; to count a micro-batch without gradients on "
+                "purpose, give its weight: step(weight=w), or backward(loss, weight=w) (a window whose weights are "
+                "all 0 is skipped)"
+                + ("; zero_grad() drops the micro-batch backward() opened" if micro is not None else "")
             )
         self._check_lr_unchanged()
 

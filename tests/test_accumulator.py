@@ -1566,6 +1566,32 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
     assert opt.micro_step == 1
 
 
+def test_a_backward_whose_loss_reaches_no_parameter_is_refused_at_step_without_a_weight():
+    """opt.backward(loss) with no weight, whose loss reaches none of the accumulator's parameters (only another
+    optimizer's), folds nothing: its step() would count an empty micro-batch of weight 1 and halve this window's
+    mean. Refused as in the step-time loop, nothing changed; zero_grad() drops the micro-batch, and the window is
+    the big batch's. With its weight given, the empty micro-batch is meant and counted."""
+    model, reference = _model(), _model()
+    other = torch.nn.Parameter(torch.ones(3))
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    opt.backward((other**2).sum())
+    with pytest.raises(RuntimeError, match=r"backward\(\) whose loss reached none of its parameters.*zero_grad"):
+        opt.step()
+    assert opt.micro_step == 0 and other.grad is not None
+    opt.zero_grad()
+    batches = _data([4, 4])
+    for x, y in batches:
+        opt.backward(_loss(model, x, y))
+        opt.step()
+        opt.zero_grad()
+    assert opt.stepped
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    _assert_same_params(model, reference, 1e-12)
+    opt.backward((other**2).sum(), weight=0)
+    opt.step()
+    assert opt.micro_step == 1
+
+
 def test_a_window_of_frozen_parameters_steps_without_gradients(loop):
     """Every parameter of the accumulator frozen (a backbone during a warm-up, the head trained by another
     optimizer): its steps have no gradient to fold and are not refused as steps without a backward; nothing moves."""
