@@ -120,7 +120,7 @@ class Sync:
             raise ValueError(
                 f"model: the ranks built their GradAccumulators over this model with different {', '.join(differ)} "
                 f"(rank {self.rank}: {here}); every rank must pass the same arguments and the same parameters "
-                "(dtypes and shapes, in the same parameter groups) and pick the same backend, or their buckets and "
+                "(dtypes and shapes) and pick the same backend, or their buckets and "
                 "clipping would not match. Nothing was attached to the model"
             )
 
