@@ -6,7 +6,7 @@
 //
 // Work layout shared by every kernel: a flat accumulation buffer `acc` holds segments; segment i is
 // acc[offsets[i] : offsets[i] + numels[i]]. Each segment is cut into chunks of kChunkElems elements (the last
-// one shorter), chunks are numbered across segments in segment order, and partial sums are kept per chunk.
+// one shorter), chunks are numbered across the segments of a launch's table, and partial sums are kept per chunk.
 // Because a chunk never spans two segments and its partial sum does not depend on which block computed it,
 // every reduction below has a fixed order whatever the grid size or the device. One thing does change it: a fused
 // fold's chunk sum is added per thread over 16-byte vectors when the chunk's gradient is 16-byte aligned and over

@@ -1,6 +1,6 @@
 """CUDA backend: the contracts of gafused.reference, run by the compiled extension ``gafused._C`` (csrc/).
 
-Each op is one multi-tensor launch over the whole buffer (plus a one-block cleanup for reductions; a fold
+Each op is one multi-tensor launch over the whole buffer (plus a small cleanup kernel for reductions; a fold
 launches once per gradient dtype present): a per-call table of gradient pointers, offsets and sizes goes to
 the device with the arguments, so the number of launches does not grow with the number of parameters.
 Scalars stay on the device. The kernels write through raw pointers, so each op bumps the autograd version of

@@ -1,7 +1,7 @@
 """The op surface of gafused and its backend dispatch.
 
-Four in-place ops over a FlatGradBuffer, one contract each (docs/design.md section 2), implemented by every
-backend (``reference``, ``foreach``, ``triton``, ``cuda``):
+Three in-place ops and a reduction over a FlatGradBuffer, one contract each (docs/design.md section 2),
+implemented by every backend (``reference``, ``foreach``, ``triton``, ``cuda``):
 
 - ``fold_``: acc[seg] = (0 if first else acc[seg]) + weight * grad, math in the buffer's dtype;
   a missing grad (None) contributes zero.

@@ -1,6 +1,7 @@
 """Triton backend: the gafused.ops contracts (see gafused/reference.py) as Triton kernels.
 
-Each op covers every segment of a buffer in one launch (one per gradient dtype for ``fold_``), driven by
+Each op covers every segment of a buffer in one launch (one per gradient dtype for ``fold_``; a reduction adds a
+second, which sums the per-block partials in a fixed order), driven by
 a block table built once per layout (``_layout.py``). Kernels run on CUDA tensors, and on CPU tensors under
 TRITON_INTERPRET=1, which the test suite uses on machines without a GPU.
 
