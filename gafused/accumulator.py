@@ -893,6 +893,9 @@ class GradAccumulator(torch.optim.Optimizer):
         if micro is not None and weight is not None:
             raise ValueError(
                 "weight: this micro-batch's weight was already given to backward(); call step() without it"
+                if micro.given is not None
+                else "weight: backward() opened this micro-batch without a weight (it counts 1); a micro-batch's "
+                "weight goes to its backward(loss, weight=w), not to step(): call step() without it"
             )
         if micro is None:
             if weight is not None and self._sync.weight_in_loss:
@@ -918,9 +921,13 @@ class GradAccumulator(torch.optim.Optimizer):
                 "an empty micro-batch of weight 1, diluting the window's mean (a step() called twice, or "
                 "step(end_window=True) where flush() was meant, or a backward() whose loss reached none of its "
                 "parameters). Run this micro-batch's backward first; to count a micro-batch without gradients on "
-                "purpose, give its weight: step(weight=w), or backward(loss, weight=w) (a window whose weights are "
-                "all 0 is skipped)"
-                + ("; zero_grad() drops the micro-batch backward() opened" if micro is not None else "")
+                + (
+                    "purpose, give its weight: step(weight=w)"
+                    if micro is None
+                    else "purpose, give its weight to its backward: drop this one with zero_grad(), then "
+                    "backward(loss, weight=w)"
+                )
+                + " (a window whose weights are all 0 is skipped)"
             )
         self._check_lr_unchanged()
 
@@ -1752,17 +1759,32 @@ class GradAccumulator(torch.optim.Optimizer):
         """The window's global norm and non-finite flag from the (sum of squares, flag) of its finished pieces."""
         wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
         norm_dtype = torch.float64 if wide else torch.float32
-        total = torch.stack([ops.to_device(s, self._home, torch.float64) for s, _ in results]).sum()
+        # The parts come one per bucket (or buffer) in their buffer's accumulation dtype, and are summed per dtype in
+        # float64: every rank lists the same dtypes (FSDP2 all-reduces the sums).
+        dtypes = sorted({group.buffer.accum_dtype for group in self._groups}, key=lambda dtype: torch.finfo(dtype).bits)
+        parts: dict[torch.dtype, list[torch.Tensor]] = {dtype: [] for dtype in dtypes}
+        for sum_sq, _ in results:
+            parts[sum_sq.dtype].append(ops.to_device(sum_sq, self._home, torch.float64))
+        sums = torch.stack(
+            [
+                torch.stack(parts[dtype]).sum()
+                if parts[dtype]
+                else torch.zeros((), dtype=torch.float64, device=self._home)
+                for dtype in dtypes
+            ]
+        )
         found_inf = torch.stack([ops.to_device(flag, self._home) for _, flag in results]).any()
-        total, found_inf = self._sync.reduce_norm(total, found_inf)  # FSDP2: every rank's shards
+        sums, found_inf = self._sync.reduce_norm(sums, found_inf)  # FSDP2: every rank's shards
         # A window whose weights sum to zero holds no data: skipped in either normalization (with "mean" every
         # finished value would be nan, but an all-empty buffer has no value to show it).
         empty_window = self._weight_sum <= 0
-        # Finite values whose squares overflow the sum (beyond ~1.8e19 in float32) leave the norm unknown: clipping
-        # by an infinite norm would zero the gradient, so such a window is skipped as a non-finite one. The parts
-        # come rounded to the buffer's dtype, one per bucket: the float64 total is held to that dtype's range too,
-        # or a sum spread over several buckets (or buffers) would pass where one buffer's part overflowed.
-        total = torch.where(total > torch.finfo(norm_dtype).max, math.inf, total)
+        # Finite values whose squares overflow their dtype's sum (beyond ~1.8e19 in float32) leave the norm unknown:
+        # clipping by an infinite norm would zero the gradient, so such a window is skipped as a non-finite one. Each
+        # dtype's sum is held to that dtype's range, so a sum spread over several buckets or buffers overflows as
+        # one buffer's single part does.
+        total = torch.where(sums[0] > torch.finfo(dtypes[0]).max, math.inf, sums[0])
+        for index, dtype in enumerate(dtypes[1:], start=1):
+            total = total + torch.where(sums[index] > torch.finfo(dtype).max, math.inf, sums[index])
         norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
         return norm, found_inf | empty_window | torch.isinf(norm)
 

@@ -96,6 +96,8 @@ class Sync:
         return None
 
     def reduce_norm(self, sum_sq: torch.Tensor, nonfinite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum ``sum_sq`` (float64, one sum of squares per accumulation dtype) and or ``nonfinite`` over the ranks
+        whose shards hold parts of the gradient (FSDP2)."""
         return sum_sq, nonfinite
 
     def check_same_settings(self, settings: dict[str, Any], device: torch.device) -> None:
@@ -390,9 +392,9 @@ class FSDPSync(Sync):
         return values
 
     def reduce_norm(self, sum_sq: torch.Tensor, nonfinite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.stack([sum_sq.to(torch.float64), nonfinite.to(torch.float64)])
+        both = torch.cat([sum_sq.to(torch.float64).reshape(-1), nonfinite.to(torch.float64).reshape(1)])
         dist.all_reduce(both, group=self.group)
-        return both[0], both[1] > 0
+        return both[:-1], both[-1] > 0
 
     def _param_groups(self) -> list[Any]:
         from torch.distributed.fsdp import FSDPModule

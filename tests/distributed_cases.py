@@ -596,12 +596,16 @@ def _misuse(rank: int) -> dict[str, str]:
             ValueError, gafused.GradAccumulator, sgd, N, model=ddp, **{setting: ranks_values[rank]}
         )
     said["ddp sync after ranks differ"] = str(ddp.require_backward_grad_sync)
-    # FSDP2 cuts buckets from each rank's own shards: bucket_bytes may differ; clipping may not.
+    # FSDP2 cuts buckets from each rank's own (uneven) shards: the cuts differ across ranks, and may; clipping may not.
     fsdp = _wrap("fsdp", rank)
     sgd = torch.optim.SGD(fsdp.parameters(), lr=LR)
-    said["fsdp ranks differ in bucket_bytes"] = _said(
-        ValueError, gafused.GradAccumulator, sgd, N, model=fsdp, bucket_bytes=(BUCKET_BYTES, 64)[rank]
-    )
+    try:
+        built = gafused.GradAccumulator(sgd, N, model=fsdp, bucket_bytes=BUCKET_BYTES)
+        said["fsdp bucket cuts"] = str([[(r.start, r.stop) for r in b.bucket_ranges] for b in built.buffers])
+        del built
+        gc.collect()
+    except ValueError as error:
+        said["fsdp bucket cuts"] = str(error)
     said["fsdp ranks differ in max_grad_norm"] = _said(
         ValueError, gafused.GradAccumulator, sgd, N, model=fsdp, max_grad_norm=(None, MAX_NORM)[rank]
     )

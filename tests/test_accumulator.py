@@ -277,21 +277,24 @@ def test_finite_gradient_whose_norm_overflows_skips_the_step(backend, max_grad_n
     torch.testing.assert_close(param.detach(), torch.full((4,), -0.5 if max_grad_norm else -2.0))
 
 
-@pytest.mark.parametrize("split", ["buckets", "buffers"])
+@pytest.mark.parametrize("split", ["buckets", "buffers", "beside_float64"])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the Triton interpreter's squares
 def test_sum_of_squares_overflowing_across_buckets_skips_the_step_in_both_loops(backend, loop, split):
     """Two parameters whose squares sum to 2e38 each (within float32) and 4e38 together (beyond it), in two buckets
-    of one buffer or in two buffers (fp32 and bf16 parameters): the float32 sum of squares overflows as it does in
-    one bucket, so every loop and layout skips the window (its norm 2e19 in float64 would pass)."""
-    dtypes = (torch.float32, torch.float32 if split == "buckets" else torch.bfloat16)
+    of one buffer, in two buffers (fp32 and bf16 parameters), or in two buckets beside a float64 buffer: the float32
+    sum of squares overflows as it does in one bucket, so every loop and layout skips the window (its norm 2e19 in
+    float64 would pass)."""
+    dtypes = (torch.float32, torch.float32 if split != "buffers" else torch.bfloat16)
     params = [torch.nn.Parameter(torch.zeros(2, dtype=dtype)) for dtype in dtypes]
-    inner = torch.optim.SGD(params, lr=1.0)
+    wide = [torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))] if split == "beside_float64" else []
+    inner = torch.optim.SGD(params + wide, lr=1.0)
     opt = GradAccumulator(inner, 1, max_grad_norm=1.0, backend=backend, bucket_bytes=8)
-    assert sum(len(buffer.buckets) for buffer in opt.buffers) == 2
+    assert sum(len(buffer.buckets) for buffer in opt.buffers if buffer.accum_dtype == torch.float32) == 2
     c = torch.tensor(1e19)  # bf16 rounds it to 1.0016e19: still about 2e38 per parameter, 4e38 in all
-    micro_batch(opt, sum((p.float() * c).sum() for p in params), loop)
+    loss = sum((p.float() * c).sum() for p in params) + sum(p.sum().float() for p in wide)
+    micro_batch(opt, loss, loop)
     assert not opt.stepped and opt.skipped_steps == 1 and math.isinf(float(opt.grad_norm))
-    assert all(torch.equal(p.detach(), torch.zeros(2, dtype=p.dtype)) for p in params)
+    assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in params + wide)
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
@@ -1577,6 +1580,8 @@ def test_a_backward_whose_loss_reaches_no_parameter_is_refused_at_step_without_a
     opt.backward((other**2).sum())
     with pytest.raises(RuntimeError, match=r"backward\(\) whose loss reached none of its parameters.*zero_grad"):
         opt.step()
+    with pytest.raises(ValueError, match=r"opened this micro-batch without a weight.*backward\(loss, weight=w\)"):
+        opt.step(weight=1.0)
     assert opt.micro_step == 0 and other.grad is not None
     opt.zero_grad()
     batches = _data([4, 4])
