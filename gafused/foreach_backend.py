@@ -198,7 +198,9 @@ def fold_(
             torch._foreach_mul_(segments, w)
     elif _host_scalars(acc.device):
         # add_ converts a gradient of another dtype into a temporary as large as the gradient: long ones in pieces.
-        limit = _chunk_elements(acc.device, acc.element_size())
+        # A wider gradient (float64 into float32) is added in its dtype: the buffer's piece and the sum converted too.
+        wide = max((torch.promote_types(g.dtype, acc.dtype).itemsize for g in grads if g is not None), default=0)
+        limit = _chunk_elements(acc.device, 2 * wide if wide > acc.element_size() else acc.element_size())
         converted = [i for i in views.longer_than(limit) if grads[i] is not None and grads[i].dtype != acc.dtype]
         segments, grads = _cut(segments, grads, converted, limit)
         if views.missing:
