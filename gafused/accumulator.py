@@ -382,7 +382,8 @@ class GradAccumulator(torch.optim.Optimizer):
         if model_hook is not None:
             model_hook.remove()
         if state.get("_attached", False) and not any(
-            other is not self and other._sync.same_model(self._sync) for other in list(_LIVE_ACCUMULATORS)
+            other is not self and other._sync.same_model(self._sync)
+            for other in list(_LIVE_ACCUMULATORS or ())  # None once the module is torn down at interpreter exit
         ):
             self._sync.detach()  # DDP synchronizes its own backward again, unless a newer accumulator owns it
 

@@ -68,6 +68,10 @@ class BucketHooks:
         self._last: list[list[int]] = []  # per bucket: the count of its last call that gave any
         self._patience: list[list[int]] = []  # per bucket: the stable calls a variable bucket needs to relearn
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # (parameter, its hook, [whether hooks registered after it run later]): the flag is read at each start(), on
+        # the parameter itself; inside backward the hook may see another tensor (a graph input of compiled autograd)
+        # that has no hook table to read.
+        self._watched: list[tuple[torch.Tensor, Callable[[torch.Tensor], None], list[bool]]] = []
         # Per buffer: complete buckets whose last parameter has hooks after this one's, handed over at that buffer's
         # next hook, once those hooks have run (see the module docstring).
         self._deferred: list[list[int]] = [[] for _ in buffers]
@@ -97,9 +101,12 @@ class BucketHooks:
 
     def _hook(self, param: torch.Tensor, group_index: int, bucket_index: int) -> None:
         """Count ``param``'s gradient for bucket ``bucket_index`` of buffer ``group_index``."""
-        self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, bucket_index)))
+        followed = [False]
+        hook = self._make_hook(group_index, bucket_index, followed)
+        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._watched.append((param, hook, followed))
 
-    def _make_hook(self, group_index: int, bucket_index: int) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, group_index: int, bucket_index: int, followed: list[bool]) -> Callable[[torch.Tensor], None]:
         owner_ref = self._owner_ref
         deferred = self._deferred[group_index]
         last_call = -1
@@ -121,8 +128,7 @@ class BucketHooks:
             counts = self._remaining[group_index]
             counts[bucket_index] -= 1
             if counts[bucket_index] == 0 and owner is not None:
-                hooks = getattr(param, "_post_accumulate_grad_hooks", None)  # {handle id: hook}, in running order
-                if hooks and next(reversed(hooks.values())) is not hook:
+                if followed[0]:
                     deferred.append(bucket_index)  # hooks after this one still read p.grad
                 else:
                     owner.on_bucket_ready(group_index, bucket_index)
@@ -134,6 +140,9 @@ class BucketHooks:
         if self._unhooked:
             self._hook_unfrozen()
         self._call += 1
+        for param, hook, followed in self._watched:
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)  # {handle id: hook}, in running order
+            followed[0] = bool(hooks) and next(reversed(hooks.values())) is not hook
         for remaining, expected, landed in zip(self._remaining, self._expected, self._landed, strict=True):
             remaining[:] = expected
             landed[:] = [0] * len(landed)
@@ -196,3 +205,4 @@ class BucketHooks:
             handle.remove()
         self._handles.clear()
         self._unhooked.clear()
+        self._watched.clear()

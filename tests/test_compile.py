@@ -194,3 +194,31 @@ def test_ops_trace_without_a_break_when_their_backend_is_first_loaded_inside(mon
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
     assert name in ops._loaded
     torch.testing.assert_close(ops.norm(buffer, backend=name), torch.tensor(44.0).sqrt())
+
+
+def test_a_hook_registered_after_the_accumulator_sees_the_gradient_under_compiled_autograd():
+    """Under compiled autograd a post-accumulate-grad hook is called with a graph input, not the parameter, so the
+    parameter's hook table cannot be read there: whether hooks registered after the accumulator's run later is read
+    before backward. Such a hook sees each micro-batch's p.grad and its change is folded, as in eager."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.0), 2, backend="reference")
+    seen = []
+
+    def halve(param):
+        seen.append(param.grad is not None)
+        if param.grad is not None:
+            param.grad.mul_(0.5)
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(halve)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    plain = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    for _ in range(2):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            opt.backward(model(x).square().mean(), weight=3)
+        opt.step()
+    assert opt.stepped and all(seen) and len(seen) == 8
+    for param, grad in zip(model.parameters(), plain, strict=True):
+        torch.testing.assert_close(param.grad, grad * 0.5, rtol=1e-12, atol=0)
