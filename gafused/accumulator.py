@@ -30,6 +30,7 @@ recompile for, every micro-step).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import numbers
@@ -1758,11 +1759,10 @@ class GradAccumulator(torch.optim.Optimizer):
 
     def _measure(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's global norm and non-finite flag from the (sum of squares, flag) of its finished pieces."""
-        wide = any(group.buffer.accum_dtype == torch.float64 for group in self._groups)
-        norm_dtype = torch.float64 if wide else torch.float32
         # The parts come one per bucket (or buffer) in their buffer's accumulation dtype, and are summed per dtype in
-        # float64: every rank lists the same dtypes (FSDP2 all-reduces the sums).
+        # float64: every rank lists the same dtypes (FSDP2 all-reduces the sums). The norm takes the widest.
         dtypes = sorted({group.buffer.accum_dtype for group in self._groups}, key=lambda dtype: torch.finfo(dtype).bits)
+        norm_dtype = dtypes[-1]
         parts: dict[torch.dtype, list[torch.Tensor]] = {dtype: [] for dtype in dtypes}
         for sum_sq, _ in results:
             parts[sum_sq.dtype].append(ops.to_device(sum_sq, self._home, torch.float64))
@@ -1783,9 +1783,10 @@ class GradAccumulator(torch.optim.Optimizer):
         # clipping by an infinite norm would zero the gradient, so such a window is skipped as a non-finite one. Each
         # dtype's sum is held to that dtype's range, so a sum spread over several buckets or buffers overflows as
         # one buffer's single part does.
-        total = torch.where(sums[0] > torch.finfo(dtypes[0]).max, math.inf, sums[0])
-        for index, dtype in enumerate(dtypes[1:], start=1):
-            total = total + torch.where(sums[index] > torch.finfo(dtype).max, math.inf, sums[index])
+        held = [
+            torch.where(part > torch.finfo(dtype).max, math.inf, part) for part, dtype in zip(sums, dtypes, strict=True)
+        ]
+        total = functools.reduce(operator.add, held)
         norm = torch.where(empty_window, math.nan, total.sqrt()).to(norm_dtype)
         return norm, found_inf | empty_window | torch.isinf(norm)
 

@@ -198,9 +198,13 @@ def fold_(
             torch._foreach_mul_(segments, w)
     elif _host_scalars(acc.device):
         # add_ converts a gradient of another dtype into a temporary as large as the gradient: long ones in pieces.
-        # A wider gradient (float64 into float32) is added in its dtype: the buffer's piece and the sum converted too.
-        wide = max((torch.promote_types(g.dtype, acc.dtype).itemsize for g in grads if g is not None), default=0)
-        limit = _chunk_elements(acc.device, 2 * wide if wide > acc.element_size() else acc.element_size())
+        # A float64 gradient into a float32 buffer is added in float64: the buffer's piece and the sum converted too,
+        # 16 bytes per element (looked for among the segments long enough to need cutting at that rate only).
+        wide_limit = _chunk_elements(acc.device, 16)
+        wide = acc.dtype == torch.float32 and any(
+            grads[i] is not None and grads[i].dtype == torch.float64 for i in views.longer_than(wide_limit)
+        )
+        limit = wide_limit if wide else _chunk_elements(acc.device, acc.element_size())
         converted = [i for i in views.longer_than(limit) if grads[i] is not None and grads[i].dtype != acc.dtype]
         segments, grads = _cut(segments, grads, converted, limit)
         if views.missing:
