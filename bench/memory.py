@@ -5,7 +5,8 @@
 
 Each recipe trains the same model on the same data for two windows of N micro-batches with AdamW; the
 figure is the peak of live tensor bytes during the second window (parameters, gradients, buffers, optimizer
-state, activations and temporaries all included), divided by the number of parameters. On CPU the live
+state, activations and temporaries all included), divided by the number of parameters. ``measure`` also gives the
+peak of each phase of that window: its micro-batches, and its end (finish, clip, inner step). On CPU the live
 bytes come from torch.profiler's allocation events, which record every tensor allocation and free with its exact
 size (``track_peak`` is checked against known allocations by tests/test_memory.py); on a GPU from
 ``torch.cuda.max_memory_allocated``, over what was allocated when the case began (``run`` first runs one case
@@ -43,7 +44,7 @@ import gafused  # noqa: E402 - run as a script from a checkout as well as instal
 
 RECIPES = ("plain", "megatron", "gafused-step", "gafused-backward")
 ACCUMULATION_STEPS = 4
-_MARK_BYTES = 7_777  # an allocation of this odd size marks where the measured window starts
+_MARK_BYTES = 7_777  # the first mark's allocation, of an odd size no real tensor has; later marks' grow by 2
 _EVERY_THREAD = [False]  # count_every_thread() was called in this process
 
 
@@ -77,6 +78,7 @@ class _CpuTracker:
 
     def __init__(self) -> None:
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._phases: list[str] = []
 
     # The profiler's native start/stop lines would break up run.py's progress bars; only those two calls are
     # silenced, not what the tracked block prints.
@@ -89,29 +91,41 @@ class _CpuTracker:
         with timing.quiet_stderr():
             self._profile.__exit__(*exc)
 
-    def mark(self) -> None:
-        """Mark the start of the measured stretch."""
-        marker = torch.empty(_MARK_BYTES, dtype=torch.uint8)
+    def mark(self, phase: str = "measured") -> None:
+        """Start the measured stretch, or (called again) a new phase of it; see ``phase_peaks``."""
+        _new_phase(self._phases, phase)
+        # Each mark is an allocation of its own odd size, freed at once: the events show where each phase begins.
+        marker = torch.empty(_marker_bytes(len(self._phases) - 1), dtype=torch.uint8)
         del marker
 
-    def peak_after_mark(self) -> int:
-        """The highest live byte count after ``mark()`` (live bytes counted from the tracker's start)."""
+    def phase_peaks(self) -> dict[str, int]:
+        """Per phase, in the order marked: the highest live byte count from its mark to the next (live bytes
+        counted from the tracker's start; the marks' own bytes are not counted)."""
         events = [
             event
             for event in self._profile.profiler.kineto_results.events()
             if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
         ]
         events.sort(key=lambda event: event.start_ns())  # a stable sort keeps same-timestamp events in order
-        live, peak, marked = 0, 0, False
+        peaks: list[int] = []
+        live = 0
         for event in events:
-            live += event.nbytes()
-            if not marked and event.nbytes() == _MARK_BYTES:
-                marked, peak = True, live - _MARK_BYTES
-            elif marked:
-                peak = max(peak, live)
-        if not marked:
-            raise RuntimeError("memory tracker: the mark() allocation was not recorded")
-        return peak
+            size = event.nbytes()
+            if len(peaks) < len(self._phases) and size == _marker_bytes(len(peaks)):
+                peaks.append(live)  # the next phase begins; its marker is not counted, nor its free below
+                continue
+            if peaks and size == -_marker_bytes(len(peaks) - 1):
+                continue
+            live += size
+            if peaks:
+                peaks[-1] = max(peaks[-1], live)
+        if len(peaks) < len(self._phases):
+            raise RuntimeError(f"memory tracker: the mark of phase {self._phases[len(peaks)]!r} was not recorded")
+        return dict(zip(self._phases, peaks, strict=True))
+
+    def peak_after_mark(self) -> int:
+        """The highest live byte count after the first ``mark()`` (live bytes counted from the tracker's start)."""
+        return max(self.phase_peaks().values(), default=0) if self._phases else _no_mark()
 
     def live_peak_after_mark(self) -> int:
         """The highest live byte count of the whole process after ``mark()``, every thread included: the
@@ -128,7 +142,7 @@ class _CpuTracker:
             if node.tag == allocation:
                 events.append((node.start_time_ns, node.extra_fields))
         events.sort(key=lambda event: event[0])
-        start = next((i for i, (_, fields) in enumerate(events) if fields.alloc_size == _MARK_BYTES), None)
+        start = next((i for i, (_, fields) in enumerate(events) if fields.alloc_size == _marker_bytes(0)), None)
         if start is None:
             raise RuntimeError("memory tracker: the mark() allocation was not recorded")
         # The mark's own event counts the mark; the events after it (its free first) do not.
@@ -141,20 +155,49 @@ class _CudaTracker:
     def __enter__(self) -> _CudaTracker:
         torch.cuda.synchronize()
         self._start = torch.cuda.memory_allocated()
+        self._phases: list[str] = []
+        self._peaks: list[int] = []
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize()
+        self._close_phase()
 
-    def mark(self) -> None:
+    def _close_phase(self) -> None:
         torch.cuda.synchronize()
+        if len(self._peaks) < len(self._phases):
+            self._peaks.append(torch.cuda.max_memory_allocated() - self._start)
+
+    def mark(self, phase: str = "measured") -> None:
+        _new_phase(self._phases, phase)  # refuses a repeated name before the previous phase is closed
+        self._phases.pop()
+        self._close_phase()
+        self._phases.append(phase)
         torch.cuda.reset_peak_memory_stats()
 
+    def phase_peaks(self) -> dict[str, int]:
+        self._close_phase()
+        return dict(zip(self._phases, self._peaks, strict=True))
+
     def peak_after_mark(self) -> int:
-        return torch.cuda.max_memory_allocated() - self._start
+        return max(self.phase_peaks().values(), default=0) if self._phases else _no_mark()
 
     def live_peak_after_mark(self) -> int:
-        return torch.cuda.max_memory_allocated()
+        return max(self.phase_peaks().values(), default=0) + self._start if self._phases else _no_mark()
+
+
+def _marker_bytes(index: int) -> int:
+    """The size of the ``index``-th mark's allocation: odd, so that no tensor of 2-, 4- or 8-byte elements has it."""
+    return _MARK_BYTES + 2 * index
+
+
+def _new_phase(phases: list[str], phase: str) -> None:
+    if phase in phases:
+        raise ValueError(f"memory tracker: phase {phase!r} was already marked (phases: {phases})")
+    phases.append(phase)
+
+
+def _no_mark() -> int:
+    raise RuntimeError("memory tracker: mark() was never called")
 
 
 @contextlib.contextmanager
@@ -191,7 +234,10 @@ def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _train(
     recipe: str, model: torch.nn.Module, data: list[torch.Tensor], tracker, bucket_bytes: int, backend: str
 ) -> None:
-    """Two windows of ``recipe``; the tracker is marked where the second window starts."""
+    """Two windows of ``recipe``. The second is measured in two phases: "micro-batches" (every forward and
+    backward, with what each recipe does between them) and "window end" (the call that ends the window: the last
+    ``step()`` of the gafused recipes, which folds or finishes the window and runs the inner step; the inner step,
+    and the cast of ``main_grad`` before it, in the others)."""
     n = ACCUMULATION_STEPS
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt = None
@@ -202,15 +248,20 @@ def _train(
             param.main_grad = torch.zeros_like(param, dtype=torch.float32)
     for window in range(2):
         if window == 1:
-            tracker.mark()
-        for x in data[window * n : (window + 1) * n]:
+            tracker.mark("micro-batches")
+        for step, x in enumerate(data[window * n : (window + 1) * n]):
             loss = _loss(model, x)
+            last = step == n - 1
             if recipe == "gafused-backward":
                 opt.backward(loss, weight=1)
+                if last and window == 1:
+                    tracker.mark("window end")
                 opt.step()
                 opt.zero_grad()
             elif recipe == "gafused-step":
                 loss.backward()
+                if last and window == 1:
+                    tracker.mark("window end")
                 opt.step(weight=1)
                 opt.zero_grad()
             else:
@@ -220,6 +271,8 @@ def _train(
                         param.main_grad += param.grad.float()
                         param.grad = None
             del loss
+        if window == 1 and not recipe.startswith("gafused"):
+            tracker.mark("window end")
         if recipe == "plain":
             inner.step()
             inner.zero_grad(set_to_none=True)
@@ -251,13 +304,16 @@ def measure(
         _train(recipe, model, data, tracker, bucket_bytes, backend)
         params = sum(p.numel() for p in model.parameters())
         del model, data
-    peak = tracker.peak_after_mark()
+    phases = tracker.phase_peaks()
+    peak = max(phases.values())
     return {
         "recipe": recipe,
         "param_dtype": str(dtype).removeprefix("torch."),
         "params": params,
         "peak_bytes": peak,
         "peak_bytes_per_param": peak / params,
+        "micro_batches_peak_bytes": phases["micro-batches"],
+        "window_end_peak_bytes": phases["window end"],
         "device": str(device),
         "backend": gafused.ops.resolve_backend(backend, device) if recipe.startswith("gafused") else "",
     }
