@@ -578,7 +578,8 @@ class GradAccumulator(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Windows whose finished gradient held inf or nan (or whose weights summed to zero): not stepped."""
+        """Windows not stepped: the finished gradient held inf or nan, its sum of squares overflowed the
+        accumulation dtype, its weights summed to zero, or its cast to the parameters' dtype overflowed."""
         return self._skipped_steps
 
     @property
