@@ -90,6 +90,8 @@ class _Group:
     finished: torch.Tensor | None = None
     # The views handed out as p.grad by the last inner step; released before the next backward adds to them.
     published: list[torch.Tensor | None] | None = None
+    # The version of the views' memory once the inner step and its post-hooks were done with them.
+    published_version: int | None = None
     # Whether each published view has a release hook (its parameter required grad when it was handed out).
     hooked: list[bool] = field(default_factory=list)
     # Buckets folded in the open micro-batch (the first fold of a window's first micro-batch overwrites).
@@ -299,6 +301,8 @@ class GradAccumulator(torch.optim.Optimizer):
         # window edges (strides may change where no element moves, see _same_memory_order).
         self._kinds = list(map(_KIND_OF, self._managed))
         self._strides = list(map(torch.Tensor.stride, self._managed))
+        # Each parameter's tensor as autograd knows it when its hooks were attached (see _rearm_swapped).
+        self._tensors = list(map(_TENSOR_OF, self._managed))
 
         self._micro_step: int = 0
         self._stepped: bool = False
@@ -1419,6 +1423,7 @@ class GradAccumulator(torch.optim.Optimizer):
             all(map(operator.is_, current, self._managed))
             and list(map(_KIND_OF, self._managed)) == self._kinds
             and list(map(torch.Tensor.stride, self._managed)) == self._strides
+            and list(map(_TENSOR_OF, self._managed)) == self._tensors
         ):
             return
         positions = [
@@ -1449,6 +1454,45 @@ class GradAccumulator(torch.optim.Optimizer):
                     "model (model.to(...), model.double(), model.to(memory_format=...)) or changing a "
                     "parameter's grad_dtype"
                 )
+        self._rearm_swapped()
+
+    def _rearm_swapped(self) -> None:
+        """Re-attach the hooks of parameters whose tensor was swapped in place since (``torch.utils.swap_tensors``,
+        which ``model.load_state_dict()`` and ``model.to()`` use under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``).
+
+        A swapped parameter keeps its hook tables, but autograd runs the tables attached to the tensor it held before:
+        the accumulator's hooks (folding during backward, releasing a finished gradient before autograd adds into
+        it) and the user's alike would never run again. Setting each table again attaches it to the tensor held now.
+        Refused, changing nothing, where a swapped parameter's ``p.grad`` is still the last window's finished
+        gradient and was written since that step: autograd added the new gradient into it, and the two cannot be
+        told apart.
+        """
+        swapped = {
+            id(param) for param, tensor in zip(self._managed, self._tensors, strict=True) if _TENSOR_OF(param) != tensor
+        }
+        for group in self._groups:
+            if group.published is None or group.published_version is None:
+                continue
+            written = _published_source(group)._version != group.published_version
+            for index, param in enumerate(group.params):
+                if written and id(param) in swapped and _is_published(group, index, param.grad):
+                    raise RuntimeError(
+                        f"{group.names[index]}: its p.grad is still the finished gradient the last window's step "
+                        "handed out, and was written since, most likely by autograd adding a new gradient into it: "
+                        "the parameter's tensor was swapped (torch.utils.swap_tensors, which model.load_state_dict() "
+                        "and model.to() use under torch.__future__.set_swap_module_params_on_conversion(True)), so "
+                        "the hook that releases that gradient before a backward did not run; nothing changed. Call "
+                        "opt.zero_grad() after step() (or after swapping, before the next backward) and run this "
+                        "micro-batch again"
+                    )
+        for index, param in enumerate(self._managed):
+            if id(param) in swapped:
+                for table in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                    hooks = getattr(param, table)
+                    if hooks is not None:
+                        setattr(param, table, hooks)  # setting a table attaches it to the tensor held now
+                self._tensors[index] = _TENSOR_OF(param)
 
     def _check_param_count(self) -> None:
         """Refuse an inner optimizer that gained or lost parameters (``add_param_group`` on it, say)."""
@@ -1721,6 +1765,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 post_hook(self, (), {})
         finally:
             self._release_unhooked()
+            for group in self._groups:
+                if group.published is not None:
+                    group.published_version = _published_source(group)._version
 
     def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor | None:
         """The factor ``clip_grad_norm_`` would scale the finished gradient by, or None without clipping."""
@@ -2261,6 +2308,8 @@ class GradAccumulator(torch.optim.Optimizer):
 # grad_dtype (the dtype autograd gives its gradient), and shape.
 _KIND_FIELDS = ("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "grad_dtype") else ()), "shape")
 _KIND_OF = operator.attrgetter(*_KIND_FIELDS)
+# Which tensor a parameter holds as autograd sees it: changed by torch.utils.swap_tensors, the Python object kept.
+_TENSOR_OF = operator.attrgetter("_cdata")
 
 
 def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple[int, ...]) -> bool:
@@ -2360,6 +2409,11 @@ def _zeros_like_layout(bucket: FlatGradBuffer) -> FlatGradBuffer:
 def _grad_and_version(param: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     grad = param.grad
     return grad, 0 if grad is None else grad._version
+
+
+def _published_source(group: _Group) -> torch.Tensor:
+    """The memory the group's published views are views of: the buffer, or its cast copy."""
+    return group.buffer.data if group.finished is None else group.finished
 
 
 def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:

@@ -1109,6 +1109,98 @@ def test_parameter_swapped_in_the_inner_optimizer_is_refused(loop, when):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.fixture
+def swap_on_conversion():
+    """load_state_dict() and model.to() swap each parameter's tensor in place (torch.utils.swap_tensors)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _swap_every_tensor(model, how):
+    tensors = [p._cdata for p in model.parameters()]
+    if how == "load_state_dict":
+        model.load_state_dict(model.state_dict())
+    else:
+        model.to("cpu")  # already there: the tensors are swapped all the same
+    assert all(p._cdata != tensor for p, tensor in zip(model.parameters(), tensors, strict=True))
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "to"])
+def test_parameters_swapped_in_place_between_windows_keep_their_hooks(loop, how, swap_on_conversion):
+    """A swapped parameter keeps its hook tables, but autograd runs those of the tensor it held before: the buckets
+    were no longer folded during backward, nor a user's hook run. The accumulator attaches the tables again at the
+    window's first micro-batch (before its backward in the backward() loop, at its step() in the other)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, bucket_bytes=1)
+    buckets = len(opt.buffers[0].bucket_ranges)
+    assert buckets == 4
+    ready = []
+    on_bucket_ready = opt.on_bucket_ready
+    opt.on_bucket_ready = lambda g, b: (ready.append(b), on_bucket_ready(g, b))
+    user = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda param: user.append(param.grad.clone()))
+    batches = _data([3, 4, 2, 5, 4, 3])
+    for window in range(3):
+        if window == 1:
+            _swap_every_tensor(model, how)
+        ready.clear()
+        user.clear()
+        pair = batches[2 * window : 2 * window + 2]
+        for x, y in pair:
+            _micro_step(opt, model, x, y, loop)
+        assert opt.stepped
+        _big_batch_step(reference, reference_opt, pair)
+        _assert_same_params(model, reference, 1e-12)
+        if loop == "backward":
+            if window == 0:  # bucket by bucket; the one whose last hook the user's follows, after backward
+                folded_during_backward = sorted(ready)
+                assert len(folded_during_backward) == 2 * (buckets - 1)
+            assert sorted(ready) == folded_during_backward
+            assert len(user) == 2
+        elif window != 1:  # the step-time loop attaches them at the swap's first step(), after its backward
+            assert len(user) == 2
+
+
+def test_a_finished_gradient_kept_through_a_swap_and_added_into_is_refused(swap_on_conversion):
+    """The step-time loop without zero_grad(): model.to() keeps the finished gradient a window's step handed out,
+    and the hook that releases it before a backward no longer runs on the swapped tensor, so autograd adds the next
+    micro-batch into it. That gradient cannot be told from the finished one: refused, changing nothing; after
+    zero_grad() the micro-batch runs again and the window is the big batch's. load_state_dict() drops p.grad, and
+    the windows after it are exact without zero_grad()."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    batches = _data([3, 4, 2, 5, 4, 3, 2, 2])
+
+    def window(pair, swap=None):
+        for index, (x, y) in enumerate(pair):
+            if swap is not None and index == 0:
+                _swap_every_tensor(model, swap)
+            _loss(model, x, y).backward()
+            if swap == "to" and index == 0:
+                before = [p.detach().clone() for p in model.parameters()]
+                with pytest.raises(RuntimeError, match=r"params'\]\[0\].*still the finished gradient.*swap_tensors"):
+                    opt.step(weight=len(x))
+                assert opt.micro_step == 0 and opt.stepped  # as the last window's step left it
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+                opt.zero_grad()
+                _loss(model, x, y).backward()
+            opt.step(weight=len(x))  # no zero_grad(): the finished gradients stay in p.grad
+        assert opt.stepped
+        _big_batch_step(reference, reference_opt, pair)
+        _assert_same_params(model, reference, 1e-12)
+
+    window(batches[0:2])
+    window(batches[2:4], swap="load_state_dict")
+    window(batches[4:6])
+    window(batches[6:8], swap="to")
+
+
 def _micro_step(opt, model, x, y, loop, scaler=None):
     """One micro-batch weighted by its size in either loop; ``scaler``: the step-time loop scales the loss with it
     (``opt.backward`` scales it with the accumulator's own)."""
