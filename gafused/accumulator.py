@@ -57,7 +57,8 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # None; "normalization" is absent from older checkpoints, which were all "mean").
 # 3: segments in each parameter's row-major order, with the shapes; 2: in the buffer's memory order; 1: as 3, no shapes.
 # 4: as 3, and with model= the buffers laid out in the model's parameter order (before: the optimizer's, as without).
-_STATE_VERSION = 4
+# 5: as 4, and each buffer's parameters by their position in the optimizer's order ("positions"), checked on loading.
+_STATE_VERSION = 5
 _T = TypeVar("_T")
 _NORMALIZATIONS = ("mean", "sum")
 # float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
@@ -135,7 +136,7 @@ def _check_accumulation_steps(value: Any) -> int | None:
 
 def _check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {ops.type_name(value)}")
     return value
 
 
@@ -146,6 +147,32 @@ def _check_max_norm(value: Any) -> float | None:
     if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"max_grad_norm must be None or a positive finite number, got {ops.number_text(value)}")
     return number
+
+
+def check_options(
+    *,
+    max_grad_norm: Any = None,
+    accum_dtype: Any = torch.float32,
+    backend: Any = "auto",
+    bucket_bytes: Any = DEFAULT_BUCKET_BYTES,
+    reduce_dtype: Any = None,
+) -> None:
+    """Refuse a value of these ``GradAccumulator`` arguments as its constructor would, naming it: for the adapters,
+    which take them long before they build the accumulator."""
+    _check_max_norm(max_grad_norm)
+    if accum_dtype not in ACCUM_DTYPES:
+        raise ValueError(f"accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype!r}")
+    if not isinstance(backend, str) or backend not in _BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {_BACKEND_CHOICES}, got {backend!r}")
+    _check_positive_int(bucket_bytes, "bucket_bytes")
+    if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
+        why = (
+            " (a bucket holds the weighted sum of the window's gradients, beyond float16's range of 65504 for "
+            "token-count weights; torch.bfloat16 halves the bytes with float32's range)"
+            if reduce_dtype == torch.float16
+            else ""
+        )
+        raise ValueError(f"reduce_dtype must be None or one of {_REDUCE_DTYPES}, got {reduce_dtype!r}{why}")
 
 
 class GradAccumulator(torch.optim.Optimizer):
@@ -235,21 +262,9 @@ class GradAccumulator(torch.optim.Optimizer):
         self.accumulation_steps = accumulation_steps  # checked by the property setters below
         self.max_grad_norm = max_grad_norm
         self.normalization = normalization
-        if accum_dtype not in ACCUM_DTYPES:
-            raise ValueError(f"accum_dtype must be one of {ACCUM_DTYPES}, got {accum_dtype!r}")
-        if not isinstance(backend, str) or backend not in _BACKEND_CHOICES:
-            raise ValueError(f"backend must be one of {_BACKEND_CHOICES}, got {backend!r}")
+        check_options(accum_dtype=accum_dtype, backend=backend, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
-        _check_positive_int(bucket_bytes, "bucket_bytes")
-        if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
-            why = (
-                " (a bucket holds the weighted sum of the window's gradients, beyond float16's range of 65504 for "
-                "token-count weights; torch.bfloat16 halves the bytes with float32's range)"
-                if reduce_dtype == torch.float16
-                else ""
-            )
-            raise ValueError(f"reduce_dtype must be None or one of {_REDUCE_DTYPES}, got {reduce_dtype!r}{why}")
         if model is None:
             if reduce_dtype is not None:
                 raise ValueError("reduce_dtype is for the buckets of a DDP model: pass model= as well")
@@ -303,6 +318,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._strides = list(map(torch.Tensor.stride, self._managed))
         # Each parameter's tensor as autograd knows it when its hooks were attached (see _rearm_swapped).
         self._tensors = list(map(_TENSOR_OF, self._managed))
+        self._position_of: dict[int, int] | None = None  # id(param) -> its index in _managed, made when first needed
 
         self._micro_step: int = 0
         self._stepped: bool = False
@@ -1531,6 +1547,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 raise ValueError(f"weight must be a number or a 0-d tensor, got shape {tuple(weight.shape)}")
             if weight.dtype == torch.bool or weight.is_complex():
                 raise ValueError(f"weight must be a real number, got a tensor of dtype {weight.dtype}")
+            if weight.layout != torch.strided:
+                raise ValueError(f"weight must be a dense tensor, got layout {weight.layout}")
             if weight.is_meta:
                 raise ValueError("weight must hold a value, got a tensor on the meta device")
             if weight.requires_grad:
@@ -1982,6 +2000,7 @@ class GradAccumulator(torch.optim.Optimizer):
             entry: dict[str, Any] = {
                 "numels": list(group.buffer.numels),
                 "shapes": [list(shape) for shape in group.buffer.shapes],
+                "positions": self._positions(group),
                 "had_grad": list(group.had_grad),
             }
             if self._micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
@@ -2027,10 +2046,24 @@ class GradAccumulator(torch.optim.Optimizer):
         inner, window = self._split_checkpoint(state_dict)
         self._check_groups_match(inner)
         window = self._validated_window(self._in_model_order(window))
-        self._optimizer.load_state_dict(inner)  # validates its own groups before changing
+        micro_step = window["micro_step"]
 
+        # Every tensor restored is made here, before anything changes (a failing copy to the device changes
+        # nothing); detached: a saved tensor with a graph must not attach one to the buffers.
         def restore(value: torch.Tensor | None) -> torch.Tensor | None:
-            return None if value is None else value.to(self._home)
+            return None if value is None else value.detach().to(self._home)
+
+        weight_sum, bad_weight = restore(window.get("weight_sum")), restore(window.get("bad_weight"))
+        restored_segments = [
+            None
+            if micro_step == 0  # between windows the buffers hold nothing of the checkpoint's (whose layout may differ)
+            else window["buffers"][index]["segments"]
+            .detach()
+            .to(group.buffer.device, group.buffer.accum_dtype)
+            .contiguous()
+            for index, group in enumerate(self._groups)
+        ]
+        self._optimizer.load_state_dict(inner)  # validates its own groups before changing
 
         self._release_published()
         self._drop_reductions()  # an interrupted last micro-batch's reductions and late parts: not this window's
@@ -2039,11 +2072,10 @@ class GradAccumulator(torch.optim.Optimizer):
             for param in group.params:
                 param.grad = None
         self._micro = None
-        micro_step = window["micro_step"]
         self._micro_step = micro_step
         self._skipped_steps = window["skipped_steps"]
-        self._weight_sum = restore(window.get("weight_sum"))
-        self._bad_weight = restore(window.get("bad_weight"))
+        self._weight_sum = weight_sum
+        self._bad_weight = bad_weight
         # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read
         # at the next fold, unscales them. The folded part of the buffer is unscaled already.
         self._inv_loss_scale = None
@@ -2056,13 +2088,11 @@ class GradAccumulator(torch.optim.Optimizer):
         self._window_lrs = saved_lrs
         self._stepped = False
         self._grad_norm = None  # not in the checkpoint: the norm of the window that ends next
-        for index, group in enumerate(self._groups):
+        for index, (group, segments) in enumerate(zip(self._groups, restored_segments, strict=True)):
             group.had_grad = [False] * len(group.params)  # what a window's start sets
-            if micro_step == 0:
-                continue  # between windows the buffers hold nothing of the checkpoint's (whose layout may differ)
-            entry = window["buffers"][index]
-            group.had_grad = list(entry["had_grad"])
-            segments = entry["segments"].to(group.buffer.device, group.buffer.accum_dtype)
+            if segments is None:
+                continue
+            group.had_grad = list(window["buffers"][index]["had_grad"])
             buffer = group.buffer
             # Version 2: the buffer's memory order, which it does not record: taken to be this buffer's (a checkpoint
             # of that version resumes in the memory format it was saved in). Otherwise each parameter's row-major.
@@ -2075,6 +2105,12 @@ class GradAccumulator(torch.optim.Optimizer):
                     buffer.view(param_index).copy_(saved.view(buffer.shapes[param_index]))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _positions(self, group: _Group) -> list[int]:
+        """Where each of the group's parameters sits in the optimizer's order (its param_groups, flattened)."""
+        if self._position_of is None:
+            self._position_of = {id(param): index for index, param in enumerate(self._managed)}
+        return [self._position_of[id(param)] for param in group.params]
 
     def _check_groups_match(self, inner: dict[str, Any]) -> None:
         """The inner optimizer's own checks on its groups, made before the window's fields are checked against
@@ -2188,7 +2224,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if not isinstance(window, dict):
             raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
         version = window.get("version")
-        if version not in (1, 2, 3, 4):
+        if version not in (1, 2, 3, 4, 5):
             raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
 
         def field_error(name: str, expected: str) -> ValueError:
@@ -2220,8 +2256,14 @@ class GradAccumulator(torch.optim.Optimizer):
             if value is None:
                 if required:
                     raise field_error(name, f"a 0-d {dtype} tensor (the window is open at micro_step {micro_step})")
-            elif not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype or value.is_meta:
-                raise field_error(name, f"None or a 0-d {dtype} tensor holding data (not on the meta device)")
+            elif (
+                not isinstance(value, torch.Tensor)
+                or value.dim() != 0
+                or value.dtype != dtype
+                or value.layout != torch.strided
+                or value.is_meta
+            ):
+                raise field_error(name, f"None or a dense 0-d {dtype} tensor holding data (not on the meta device)")
         weight_sum, bad_weight = window.get("weight_sum"), window.get("bad_weight")
         flagged = bad_weight is not None and bool(bad_weight)  # a device weight failed: the window's end refuses it
         if open_window and not flagged and not _possible_weight_sum(weight_sum.item(), self._weight_range[0]):
@@ -2273,6 +2315,14 @@ class GradAccumulator(torch.optim.Optimizer):
             shapes = [list(shape) for shape in group.buffer.shapes]
             if version >= 3 and entry.get("shapes") != shapes:
                 raise ValueError(f"{where}['shapes']: expected this accumulator's parameters' shapes {shapes}")
+            positions = self._positions(group)
+            if version >= 5 and entry.get("positions") != positions:
+                raise ValueError(
+                    f"{where}['positions']: expected {positions}, the positions of this buffer's parameters in the "
+                    f"optimizer's order, got {entry.get('positions')!r}: the window was saved with the parameters in "
+                    "other buffers (a layer cast to another dtype or moved since, say); resume it as it was saved, or "
+                    "load a checkpoint taken between windows"
+                )
             had_grad = entry.get("had_grad")
             if not isinstance(had_grad, list) or len(had_grad) != len(group.params):
                 raise ValueError(f"{where}['had_grad']: expected a list of {len(group.params)} bools")
@@ -2285,11 +2335,12 @@ class GradAccumulator(torch.optim.Optimizer):
                 or segments.dim() != 1
                 or segments.numel() != total
                 or segments.dtype not in ACCUM_DTYPES
+                or segments.layout != torch.strided
                 or segments.is_meta
             ):
                 raise ValueError(
-                    f"{where}['segments']: expected a flat float32 or float64 tensor of {total} elements holding "
-                    f"data, not on the meta device (the window is open at micro_step {micro_step})"
+                    f"{where}['segments']: expected a dense flat float32 or float64 tensor of {total} elements "
+                    f"holding data, not on the meta device (the window is open at micro_step {micro_step})"
                 )
         # Checked after the buffers, which say first when the checkpoint is of other parameters.
         lrs = window.get("window_lrs")  # the open window's (between windows nothing reads them)

@@ -310,6 +310,8 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer, out:
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"{name} must be a Python number or a 0-d tensor, got shape {tuple(value.shape)}")
+        if value.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense tensor, got layout {value.layout}")
         if value.is_complex() or not (value.is_floating_point() or value.dtype in _INTEGER_DTYPES):
             raise ValueError(f"{name} must be a real number, got dtype {value.dtype}")
         if value.is_meta:
@@ -339,9 +341,16 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer, out:
     return torch.full((), number, dtype=buffer.accum_dtype, device=buffer.device)
 
 
+def type_name(value: object) -> str:
+    """A value's type for an error message, with its module unless a builtin (NumPy's ``numpy.bool`` is not a
+    Python ``bool``, though both are named "bool")."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _check_first(first: object) -> None:
     if not isinstance(first, bool):
-        raise TypeError(f"first must be a bool, got {type(first).__name__}")
+        raise TypeError(f"first must be a bool, got {type_name(first)}")
 
 
 GRAD_DTYPES = frozenset(PARAM_DTYPES)
@@ -659,7 +668,7 @@ def sum_of_squares(buffer: FlatGradBuffer, *, per_segment: bool = False, backend
     """
     _check_buffer(buffer)
     if not isinstance(per_segment, bool):
-        raise TypeError(f"per_segment must be a bool, got {type(per_segment).__name__}")
+        raise TypeError(f"per_segment must be a bool, got {type_name(per_segment)}")
     name = resolve_backend(backend, buffer.device)
     if _eager(buffer.data):
         return _backend_for(buffer.data, name).sum_of_squares(buffer.data, buffer.offsets, buffer.numels, per_segment)

@@ -9,6 +9,7 @@ import math
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -1061,6 +1062,8 @@ def test_end_window_and_weight_arguments_are_checked():
     _loss(model, x, y).backward()
     with pytest.raises(TypeError, match="end_window must be a bool"):
         opt.step(end_window="yes")
+    with pytest.raises(TypeError, match="end_window must be a bool, got numpy.bool"):  # NumPy's is not Python's
+        opt.step(end_window=np.True_)
     with pytest.raises(TypeError, match=r"step\(weight=w\)"):
         opt.step(3)  # a positional argument is the closure, as in torch.optim.Optimizer.step
     assert opt.micro_step == 0 and all(p.grad is not None for p in model.parameters())

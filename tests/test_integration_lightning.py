@@ -426,8 +426,23 @@ def test_bad_weight_names_the_weight_function() -> None:
         ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
         ({"max_grad_norm": float("nan")}, ValueError, "max_grad_norm"),
         ({"max_grad_norm": True}, ValueError, "max_grad_norm"),
+        ({"max_grad_norm": 10**400}, ValueError, "max_grad_norm must be .* got an int of about 1e\\+400"),
+        ({"backend": "nope"}, ValueError, "backend must be one of"),
+        ({"bucket_bytes": -1}, ValueError, "bucket_bytes must be a positive int"),
+        ({"accum_dtype": torch.float16}, ValueError, "accum_dtype must be one of"),
+        ({"reduce_dtype": torch.float16}, ValueError, "reduce_dtype must be None or one of"),
     ],
-    ids=["weight-not-callable", "max_grad_norm-zero", "max_grad_norm-nan", "max_grad_norm-bool"],
+    ids=[
+        "weight-not-callable",
+        "max_grad_norm-zero",
+        "max_grad_norm-nan",
+        "max_grad_norm-bool",
+        "max_grad_norm-huge",
+        "backend",
+        "bucket_bytes",
+        "accum_dtype",
+        "reduce_dtype",
+    ],
 )
 def test_bad_arguments_name_the_parameter(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):

@@ -828,8 +828,27 @@ def test_which_losses_ignore_the_item_count(head: type, ignores: bool) -> None:
         ({"accumulator_options": {"bucket": 1}}, ValueError, r"accumulator_options\['bucket'\]: unknown"),
         ({"accumulator_options": ["backend"]}, TypeError, "accumulator_options must be a mapping"),
         ({"fp16": True}, ValueError, "fp16=True: GafusedTrainer does not support fp16 loss scaling"),
+        # Refused at construction as GradAccumulator would refuse them, before Trainer wraps the model.
+        ({"accumulator_options": {"backend": "nope"}}, ValueError, "accumulator_options: backend must be one of"),
+        ({"accumulator_options": {"bucket_bytes": -1}}, ValueError, "accumulator_options: bucket_bytes must be"),
+        ({"accumulator_options": {"accum_dtype": torch.float16}}, ValueError, "accumulator_options: accum_dtype"),
+        (
+            {"accumulator_options": {"reduce_dtype": torch.bfloat16}},
+            ValueError,
+            r"accumulator_options\['reduce_dtype'\] is the dtype DDP's buckets .* one process",
+        ),
     ],
-    ids=["clipping-twice", "decided-option", "unknown-option", "not-a-mapping", "fp16"],
+    ids=[
+        "clipping-twice",
+        "decided-option",
+        "unknown-option",
+        "not-a-mapping",
+        "fp16",
+        "backend",
+        "bucket_bytes",
+        "accum_dtype",
+        "reduce_dtype-one-process",
+    ],
 )
 def test_bad_configuration_is_refused(tmp_path: Path, kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):

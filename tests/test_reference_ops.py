@@ -330,6 +330,30 @@ def test_ops_refuse_a_first_flag_that_is_not_a_bool():
         ops.fold_(buffer, [torch.ones(3)], 1.0, first="False", backend="reference")
     with pytest.raises(TypeError, match="first must be a bool, got int"):
         ops.fold_finish_(buffer, [torch.ones(3)], 1.0, 0.5, first=0, backend="reference")
+    with pytest.raises(TypeError, match="first must be a bool, got numpy.bool"):  # not "got bool"
+        ops.fold_(buffer, [torch.ones(3)], 1.0, first=np.False_, backend="reference")
+    with pytest.raises(TypeError, match="per_segment must be a bool, got numpy.bool"):
+        ops.sum_of_squares(buffer, per_segment=np.True_, backend="reference")
+    assert torch.equal(buffer.data, before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "foreach", "triton"])
+def test_ops_refuse_a_sparse_scalar_before_writing(backend):
+    """A 0-d sparse tensor as a weight or scale: the reference backend corrupted the heap with one, and foreach
+    wrote wrong values."""
+    if backend == "triton" and ops.backend_unavailable_reason("triton", "cpu"):
+        pytest.skip(ops.backend_unavailable_reason("triton", "cpu"))
+    buffer = _buffer([(3,), (2,)])
+    grads = [torch.ones(3), torch.ones(2)]
+    ops.fold_(buffer, grads, 1.0, first=True, backend="reference")
+    before = buffer.data.clone()
+    sparse = torch.tensor(2.0).to_sparse()
+    with pytest.raises(ValueError, match="weight must be a dense tensor, got layout torch.sparse_coo"):
+        ops.fold_(buffer, grads, sparse, first=False, backend=backend)
+    with pytest.raises(ValueError, match="scale must be a dense tensor, got layout torch.sparse_coo"):
+        ops.fold_finish_(buffer, grads, 1.0, sparse, first=False, backend=backend)
+    with pytest.raises(ValueError, match="coef must be a dense tensor, got layout torch.sparse_coo"):
+        ops.scale_(buffer, sparse, backend=backend)
     assert torch.equal(buffer.data, before)
 
 

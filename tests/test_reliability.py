@@ -744,6 +744,18 @@ def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, mes
     assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
 
 
+def test_a_sparse_weight_is_refused_by_name():
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    sparse = torch.tensor(2.0).to_sparse()
+    with pytest.raises(ValueError, match="weight must be a dense tensor, got layout torch.sparse_coo"):
+        opt.backward(_loss(model, _batches(1)[0]), weight=sparse)
+    _loss(model, _batches(1)[0]).backward()
+    with pytest.raises(ValueError, match="weight must be a dense tensor, got layout torch.sparse_coo"):
+        opt.step(weight=sparse)
+    assert opt.micro_step == 0
+
+
 def test_a_weight_on_the_meta_device_is_refused_by_name():
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
@@ -898,6 +910,12 @@ def _corrupt(field):
             window["buffers"][0]["segments"] = window["buffers"][0]["segments"].to("meta")
         elif field == "inv_loss_scale on meta":
             window["inv_loss_scale"] = torch.ones((), dtype=torch.float64, device="meta")
+        elif field == "segments sparse":  # refused before the inner optimizer loads (it raised after, half loaded)
+            window["buffers"][0]["segments"] = window["buffers"][0]["segments"].to_sparse()
+        elif field == "weight_sum sparse":
+            window["weight_sum"] = window["weight_sum"].to_sparse()
+        elif field == "positions":
+            window["buffers"][0]["positions"] = window["buffers"][0]["positions"][::-1]
         return state
 
     return edit
@@ -916,7 +934,7 @@ def _corrupt(field):
         ("weight_sum = inf", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
         ("weight_sum = nan", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
         ("weight_sum = 1e-310", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
-        ("segments bf16", r"\['segments'\]: expected a flat float32 or float64 tensor"),
+        ("segments bf16", r"\['segments'\]: expected a dense flat float32 or float64 tensor"),
         ("gafused None", r"\['gafused'\]"),
         ("buffers None", "buffers"),
         ("version", "version"),
@@ -926,6 +944,9 @@ def _corrupt(field):
         ("weight_sum on meta", r"\['weight_sum'\].*meta device"),
         ("segments on meta", r"\['segments'\].*meta device"),
         ("inv_loss_scale on meta", r"\['inv_loss_scale'\].*meta device"),
+        ("segments sparse", r"\['segments'\]: expected a dense flat"),
+        ("weight_sum sparse", r"\['weight_sum'\]: expected None or a dense 0-d"),
+        ("positions", r"\['positions'\]: expected \[0, 1, 2, 3\]"),
     ],
 )
 def test_refused_load_state_dict_changes_nothing(field, message):
@@ -942,6 +963,55 @@ def test_refused_load_state_dict_changes_nothing(field, message):
     assert before[0] == after[0] and before[1] == after[1]
     assert torch.equal(before[2], after[2])
     assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+
+
+def test_a_window_saved_with_graphs_or_strided_segments_loads_as_plain_values():
+    """Saved tensors that require grad, or a segments tensor that is a strided view, load as their values: the
+    buffers get no graph (the finished gradients handed out had a grad_fn), and the window ends as the saved one."""
+    model, source = _mid_window()
+    state = copy.deepcopy(source.state_dict())
+    window = state["gafused"]
+    segments = window["buffers"][0]["segments"]
+    window["buffers"][0]["segments"] = torch.stack([segments, torch.zeros_like(segments)], 1)[:, 0].requires_grad_()
+    window["weight_sum"] = window["weight_sum"].clone().requires_grad_()
+    assert not window["buffers"][0]["segments"].is_contiguous()
+    twin = copy.deepcopy(model)
+    target = GradAccumulator(torch.optim.AdamW(twin.parameters(), lr=0.1), 3, backend="reference")
+    target.load_state_dict(state)
+    assert all(buffer.data.grad_fn is None for buffer in target.buffers)
+    for x in _batches(2, seed=5):
+        _loss(model, x).backward()
+        source.step(weight=x.shape[0])
+        _loss(twin, x).backward()
+        target.step(weight=x.shape[0])
+    assert target.stepped and all(p.grad.grad_fn is None for p in twin.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+def test_a_mid_window_checkpoint_whose_parameters_moved_between_buffers_is_refused():
+    """Saved with parameters [fp32, bf16, fp32], resumed after a cast to [fp32, fp32, bf16]: each buffer has the
+    same sizes and shapes, but other parameters. Their parts of the window would have been loaded into one another."""
+
+    def accumulator(dtypes):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 4, dtype=dtype)) for dtype in dtypes]
+        return params, GradAccumulator(torch.optim.SGD(params, lr=0.1), 2)
+
+    params, saved = accumulator([torch.float32, torch.bfloat16, torch.float32])
+    for param in params:
+        param.grad = torch.ones_like(param)
+    saved.step()
+    state = saved.state_dict()
+    assert [entry["positions"] for entry in state["gafused"]["buffers"]] == [[0, 2], [1]]
+    _, resumed = accumulator([torch.float32, torch.float32, torch.bfloat16])
+    before = _everything(resumed)
+    with pytest.raises(ValueError, match=r"\['buffers'\]\[0\]\['positions'\]: expected \[0, 1\].*got \[0, 2\]"):
+        resumed.load_state_dict(state)
+    after = _everything(resumed)
+    assert before[:2] == after[:2] and all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+    state["gafused"]["micro_step"] = 0  # between windows the buffers are not loaded: any layout is taken
+    del state["gafused"]["buffers"][0]["segments"], state["gafused"]["buffers"][1]["segments"]
+    resumed.load_state_dict(state)
 
 
 def test_failure_inside_the_inner_load_changes_nothing_of_the_window(monkeypatch):

@@ -44,8 +44,6 @@ saw no end, or one it declared over that Lightning does not step, raises rather 
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +61,7 @@ except ImportError as error:  # pragma: no cover - exercised only without lightn
         'pip install "gafused[lightning]"'
     ) from error
 
-from gafused.accumulator import GradAccumulator, _add_note
+from gafused.accumulator import GradAccumulator, _add_note, check_options
 from gafused.buffer import DEFAULT_BUCKET_BYTES
 
 __all__ = ["GradAccumulation"]
@@ -185,13 +183,13 @@ class GradAccumulation(Callback):
                 f"weight must be a callable taking the batch and returning its weight, or None; got "
                 f"{type(weight).__name__}"
             )
-        if max_grad_norm is not None and (
-            isinstance(max_grad_norm, bool)
-            or not isinstance(max_grad_norm, numbers.Real)
-            or not math.isfinite(max_grad_norm)
-            or max_grad_norm <= 0
-        ):
-            raise ValueError(f"max_grad_norm must be None or a positive finite number, got {max_grad_norm!r}")
+        check_options(
+            max_grad_norm=max_grad_norm,
+            accum_dtype=accum_dtype,
+            backend=backend,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=reduce_dtype,
+        )
         self.weight = weight
         self.max_grad_norm = max_grad_norm
         self._options = {"accum_dtype": accum_dtype, "backend": backend, "bucket_bytes": bucket_bytes}

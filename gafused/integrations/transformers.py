@@ -85,7 +85,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "gafused[transformers,accelerate]"'
     ) from error
 
-from gafused.accumulator import GradAccumulator
+from gafused.accumulator import GradAccumulator, check_options
 from gafused.integrations import TRANSFORMERS_MIN_VERSION
 
 __all__ = ["GafusedTrainer"]
@@ -156,6 +156,11 @@ class GafusedTrainer(transformers.Trainer):
         _clipping(given, dict(options))  # refused now if configured twice; read again when training starts
         if given is not None:
             _check_arguments(given)
+            if options.get("reduce_dtype") is not None and given.world_size <= 1:
+                raise ValueError(
+                    "accumulator_options['reduce_dtype'] is the dtype DDP's buckets are all-reduced in; this Trainer "
+                    "runs in one process (launch with torchrun or accelerate launch for DDP)"
+                )
         super().__init__(*args, **kwargs)
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
@@ -691,4 +696,8 @@ def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"accumulator_options[{key!r}]: GafusedTrainer sets it: {_DECIDED[key]}")
         if key not in _OPTIONS:
             raise ValueError(f"accumulator_options[{key!r}]: unknown; GradAccumulator options allowed here: {_OPTIONS}")
+    try:
+        check_options(**options)
+    except ValueError as error:
+        raise ValueError(f"accumulator_options: {error}") from None
     return dict(options)
