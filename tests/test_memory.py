@@ -119,6 +119,41 @@ def test_tracker_splits_the_measured_stretch_into_phases():
     assert tracker.peak_after_mark() == 28000
 
 
+def test_gpu_tracker_splits_phases_from_the_allocator_statistics(monkeypatch):
+    """The CUDA tracker's phases, on a stand-in for the caching allocator's statistics (no GPU here): each phase's
+    peak is the allocator's peak since that phase's mark (reset there), over what was allocated at the start."""
+
+    class Allocator:
+        allocated, peak = 1000, 1000  # 1000 bytes allocated before the block
+
+        def take(self, size):
+            self.allocated += size
+            self.peak = max(self.peak, self.allocated)
+
+        def reset(self):
+            self.peak = self.allocated
+
+    allocator = Allocator()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocator.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocator.peak)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", allocator.reset)
+    with memory.track_peak(torch.device("cuda")) as tracker:
+        allocator.take(500)  # before the first mark: alive throughout, not a peak of its own
+        allocator.take(-500)
+        allocator.take(100)
+        tracker.mark("first")
+        allocator.take(3000)  # the first phase's peak: 100 + 3000 over the start
+        allocator.take(-3000)
+        tracker.mark("second")
+        allocator.take(200)  # the second phase's: 300
+        with pytest.raises(ValueError, match="'first' was already marked"):
+            tracker.mark("first")
+    assert tracker.phase_peaks() == {"first": 3100, "second": 300}
+    assert tracker.peak_after_mark() == 3100
+    assert tracker.live_peak_after_mark() == 4100
+
+
 # Bytes a recipe may hold beyond the one it is compared with where nothing more is expected: the 0-d tensors of
 # the window (weight sum, norm, the micro-batch's weight and scale). Measured: 32 to 46 bytes.
 SCALARS = 1024
