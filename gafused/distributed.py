@@ -280,6 +280,16 @@ class DDPSync(Sync):
         # DDP decides at its forward whether the backward all-reduces. Off again before each one: the exit of a
         # no_sync() block entered before the accumulator was built restores the value it saw then (on).
         if self._attached:
+            join = getattr(self._model, "_join_config", None)
+            if join is not None and join.enable:
+                # Every rank enters join() together, so every rank raises here, before DDP's first collective.
+                raise RuntimeError(
+                    "model: DDP's join() (uneven inputs) is not supported with GradAccumulator(model=): its join "
+                    "hook shadows DDP's own all-reduces, not the accumulator's, so a rank that ran out of inputs "
+                    "would leave the others' window collectives unmatched (an abort or a hang). Give every rank the "
+                    "same number of micro-batches (weight=0 for padding ones). A DDP module once used under join() "
+                    "keeps its join collectives after the block: wrap the model in a new DDP"
+                )
             self._model.require_backward_grad_sync = False
 
     def detach(self) -> None:

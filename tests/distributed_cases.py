@@ -609,6 +609,18 @@ def _misuse(rank: int) -> dict[str, str]:
     said["fsdp ranks differ in max_grad_norm"] = _said(
         ValueError, gafused.GradAccumulator, sgd, N, model=fsdp, max_grad_norm=(None, MAX_NORM)[rank]
     )
+    # DDP's join() shadows DDP's collectives only: refused at the first forward under it, on every rank alike.
+    joined = torch.nn.parallel.DistributedDataParallel(make_model())
+    accumulator = gafused.GradAccumulator(torch.optim.SGD(joined.parameters(), lr=LR), N, model=joined)
+
+    def forward_under_join(module: torch.nn.parallel.DistributedDataParallel) -> None:
+        with module.join():
+            token_losses(module, x, y)
+
+    said["ddp join"] = _said(RuntimeError, forward_under_join, joined)
+    said["ddp join micro_step"] = str(accumulator.micro_step)
+    del accumulator, joined
+    gc.collect()
     accumulator = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), N, model=ddp)
     said["ddp sync while the accumulator lives"] = str(ddp.require_backward_grad_sync)
     del accumulator
