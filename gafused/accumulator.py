@@ -740,7 +740,7 @@ class GradAccumulator(torch.optim.Optimizer):
         elif end_window:
             micro.ends_window = True
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
-        held_before = [[_grad_and_version(param) for param in group.params] for group in self._groups]
+        held_before = [_grads_and_versions(group.params) for group in self._groups]
         self._sync.before_backward(micro.ends_window)
         self._hooks.start()
         micro.folded_in_call = False
@@ -793,15 +793,15 @@ class GradAccumulator(torch.optim.Optimizer):
             )
         return bad
 
-    def _restore_grads(self, held_before: list[list[tuple[torch.Tensor | None, int]]]) -> int:
+    def _restore_grads(self, held_before: list[tuple[list[torch.Tensor | None], list[int] | None]]) -> int:
         """Put back the ``p.grad`` a failed backward() found; returns how many held gradients it had changed in
         place (those are dropped: their earlier value is gone)."""
         changed = 0
-        for group, saved in zip(self._groups, held_before, strict=True):
-            for param, (grad, version) in zip(group.params, saved, strict=True):
+        for group, (grads, versions) in zip(self._groups, held_before, strict=True):
+            for index, (param, grad) in enumerate(zip(group.params, grads, strict=True)):
                 if param.grad is not grad:
                     param.grad = grad
-                elif grad is not None and grad._version != version:
+                elif grad is not None and grad._version != versions[index]:
                     param.grad = None
                     changed += 1
         return changed
@@ -1212,7 +1212,7 @@ class GradAccumulator(torch.optim.Optimizer):
         """Called by the backward hooks when every gradient of a bucket exists: fold it and release them."""
         group = self._groups[group_index]
         indices = group.buffer.bucket_ranges[bucket_index]
-        grads = [group.params[i].grad for i in indices]
+        grads = [param.grad for param in group.params[indices.start : indices.stop]]
         if self._sync.shards:
             grads = [self._sync.local_grad(grad) for grad in grads]
         names = group.names[indices.start : indices.stop]
@@ -1247,17 +1247,18 @@ class GradAccumulator(torch.optim.Optimizer):
 
     @staticmethod
     def _release_folded(group: _Group, indices: range, grads: list[torch.Tensor | None]) -> None:
+        params, had_grad = group.params, group.had_grad
         for index, grad in zip(indices, grads, strict=True):
             if grad is not None:
-                group.had_grad[index] = True
-                group.params[index].grad = None  # folded: release the memory now
+                had_grad[index] = True
+                params[index].grad = None  # folded: release the memory now
 
     def _fold_held_buckets(self, grads: list[list[torch.Tensor | None]]) -> None:
         """Fold every bucket that still holds gradients (parameters unused by, or seen twice in, a backward)."""
         for group_index, (group, group_grads) in enumerate(zip(self._groups, grads, strict=True)):
             for bucket_index, indices in enumerate(group.buffer.bucket_ranges):
                 bucket_grads = group_grads[indices.start : indices.stop]
-                if any(grad is not None for grad in bucket_grads):
+                if _any_given(bucket_grads):
                     if self._reducing and (group_index, bucket_index) in self._pending:
                         self._fold_late(group_index, bucket_index, bucket_grads)
                     else:
@@ -1597,6 +1598,9 @@ class GradAccumulator(torch.optim.Optimizer):
             grads = [param.grad for param in group.params]
             if group.published is not None or foreign:
                 grads = [None if _handed_out(group, i, grad, foreign) else grad for i, grad in enumerate(grads)]
+            if not _any_given(grads):  # the usual case after backward(): nothing to check
+                held.append(ops.CheckedGrads(grads))
+                continue
             if self._sync.shards:
                 grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
@@ -1912,14 +1916,15 @@ class GradAccumulator(torch.optim.Optimizer):
             source = group.finished
         published: list[torch.Tensor | None] = []
         hooked: list[bool] = []
-        for index, (param, had_grad) in enumerate(zip(group.params, group.had_grad, strict=True)):
+        wrap_grad, handles = self._sync.wrap_grad, self._published_hooks
+        for param, had_grad, segment in zip(group.params, group.had_grad, buffer.views(source), strict=True):
             # A parameter with no gradient in the whole window keeps None, as plain PyTorch would.
-            view = self._sync.wrap_grad(param, buffer.view(index, source)) if had_grad else None
+            view = wrap_grad(param, segment) if had_grad else None
             param.grad = view
             published.append(view)
             hooked.append(view is not None and param.requires_grad)
             if hooked[-1]:
-                self._published_hooks.append(param.register_hook(_release_before_accumulation(param, view)))
+                handles.append(_register_grad_hook(param, _release_before_accumulation(param, view)))
         group.published = published
         group.hooked = hooked
 
@@ -2457,9 +2462,19 @@ def _zeros_like_layout(bucket: FlatGradBuffer) -> FlatGradBuffer:
     return copy
 
 
-def _grad_and_version(param: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-    grad = param.grad
-    return grad, 0 if grad is None else grad._version
+def _any_given(grads: list[torch.Tensor | None]) -> bool:
+    """Whether some entry is not None: ``any(g is not None for g in grads)`` in one C-level pass (``list.count(None)``
+    would compare each tensor to None with ``Tensor.__eq__``)."""
+    return any(map(operator.is_not, grads, itertools.repeat(None)))
+
+
+def _grads_and_versions(params: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[int] | None]:
+    """Each parameter's ``p.grad`` and its version counter (0 for None); versions None when every one is None (the
+    usual case: nothing to read)."""
+    grads = [param.grad for param in params]
+    if not _any_given(grads):
+        return grads, None
+    return grads, [0 if grad is None else grad._version for grad in grads]
 
 
 def _published_source(group: _Group) -> torch.Tensor:
@@ -2492,6 +2507,17 @@ def _before_model_forward(owner: GradAccumulator):
             accumulator._release_published()
 
     return hook
+
+
+def _register_grad_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> torch.utils.hooks.RemovableHandle:
+    """``param.register_hook(hook)``, for a plain leaf parameter that has a hook table already without the checks
+    and lookups of ``Tensor.register_hook`` (half its host time): what it does for such a tensor, entry and handle."""
+    table = param._backward_hooks if type(param) is torch.nn.Parameter and param.grad_fn is None else None
+    if table is None:
+        return param.register_hook(hook)
+    handle = torch.utils.hooks.RemovableHandle(table)
+    table[handle.id] = hook
+    return handle
 
 
 def _release_before_accumulation(param: torch.Tensor, view: torch.Tensor):

@@ -247,15 +247,24 @@ class FlatGradBuffer:
 
         ``data`` may be any flat tensor with this buffer's layout, e.g. a lower-precision copy of it.
         """
-        source = self.data if data is None else data
-        if source.dim() != 1 or source.numel() != self.numel or not source.is_contiguous():
-            raise ValueError(
-                f"FlatGradBuffer.view: data must be flat and contiguous with {self.numel} elements, "
-                f"got shape {tuple(source.shape)}"
-            )
+        source = self._checked_source(data, "view")
         # The segment holds the parameter's memory order: the view has the parameter's strides.
         return source.as_strided(self.shapes[index], self.strides[index], source.storage_offset() + self.offsets[index])
 
     def views(self, data: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every segment shaped like its parameter (see ``view``)."""
-        return [self.view(i, data) for i in range(len(self))]
+        source = self._checked_source(data, "views")
+        base = source.storage_offset()
+        return [
+            source.as_strided(shape, strides, base + offset)
+            for shape, strides, offset in zip(self.shapes, self.strides, self.offsets, strict=True)
+        ]
+
+    def _checked_source(self, data: torch.Tensor | None, caller: str) -> torch.Tensor:
+        source = self.data if data is None else data
+        if source.dim() != 1 or source.numel() != self.numel or not source.is_contiguous():
+            raise ValueError(
+                f"FlatGradBuffer.{caller}: data must be flat and contiguous with {self.numel} elements, "
+                f"got shape {tuple(source.shape)}"
+            )
+        return source

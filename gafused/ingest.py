@@ -28,6 +28,8 @@ The hooks hold the accumulator weakly and do nothing outside ``GradAccumulator.b
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -40,6 +42,9 @@ __all__ = ["BucketHooks", "RELEARN_CALLS"]
 # Calls in a row with one gradient count after which a bucket that was handed over early waits for that count again
 # (doubled each time the bucket is handed over early again).
 RELEARN_CALLS = 2
+
+_POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_MORE_THAN_ONE = (1).__lt__
 
 
 class BucketHooks:
@@ -68,10 +73,12 @@ class BucketHooks:
         self._last: list[list[int]] = []  # per bucket: the count of its last call that gave any
         self._patience: list[list[int]] = []  # per bucket: the stable calls a variable bucket needs to relearn
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        # (parameter, its hook, [whether hooks registered after it run later]): the flag is read at each start(), on
-        # the parameter itself; inside backward the hook may see another tensor (a graph input of compiled autograd)
-        # that has no hook table to read.
-        self._watched: list[tuple[torch.Tensor, Callable[[torch.Tensor], None], list[bool]]] = []
+        # The hooked parameters and their hooks, and per parameter whether hooks registered after it run later: the
+        # flags are read at each start(), on the parameter itself; inside backward the hook may see another tensor (a
+        # graph input of compiled autograd) that has no hook table to read.
+        self._watched: list[torch.Tensor] = []
+        self._watched_hooks: list[Callable[[torch.Tensor], None]] = []
+        self._followed: list[bool] = []
         # Per buffer: complete buckets whose last parameter has hooks after this one's, handed over at that buffer's
         # next hook, once those hooks have run (see the module docstring).
         self._deferred: list[list[int]] = [[] for _ in buffers]
@@ -82,14 +89,14 @@ class BucketHooks:
             params = [buffer.params for buffer in buffers]
         for group_index, (buffer, targets) in enumerate(zip(buffers, params, strict=True)):
             full = []
+            hooked = []
             for bucket_index, indices in enumerate(buffer.bucket_ranges):
-                hooked = [targets[i] for i in indices if targets[i].requires_grad]
+                bucket_hooked = [targets[i] for i in indices if targets[i].requires_grad]
                 self._unhooked += [
                     (group_index, bucket_index, targets[i]) for i in indices if not targets[i].requires_grad
                 ]
-                full.append(len(hooked))
-                for param in hooked:
-                    self._hook(param, group_index, bucket_index)
+                full.append(len(bucket_hooked))
+                hooked += [(param, bucket_index) for param in bucket_hooked]
             self._full.append(full)
             self._expected.append(list(full))
             self._remaining.append(list(full))
@@ -98,37 +105,46 @@ class BucketHooks:
             self._stable.append([0] * len(full))
             self._last.append([0] * len(full))
             self._patience.append([0] * len(full))
+            for param, bucket_index in hooked:  # after the counters exist: each hook binds its buffer's lists
+                self._hook(param, group_index, bucket_index)
 
     def _hook(self, param: torch.Tensor, group_index: int, bucket_index: int) -> None:
         """Count ``param``'s gradient for bucket ``bucket_index`` of buffer ``group_index``."""
-        followed = [False]
-        hook = self._make_hook(group_index, bucket_index, followed)
+        hook = self._make_hook(group_index, bucket_index, len(self._watched))
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
-        self._watched.append((param, hook, followed))
+        self._watched.append(param)
+        self._watched_hooks.append(hook)
+        self._followed.append(False)
 
-    def _make_hook(self, group_index: int, bucket_index: int, followed: list[bool]) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, group_index: int, bucket_index: int, index: int) -> Callable[[torch.Tensor], None]:
         owner_ref = self._owner_ref
         deferred = self._deferred[group_index]
+        # The per-buffer count lists are only ever updated in place (start(), stop()): bound once here.
+        counts = self._remaining[group_index]
+        landed = self._landed[group_index]
         last_call = -1
 
         def hook(param: torch.Tensor) -> None:
             nonlocal last_call
             if not self.active:
                 return
-            owner = owner_ref()
             if deferred:  # the hooks after a deferred bucket's last gradient are done now (unless it is this one)
+                owner = owner_ref()
                 ready = [b for b in deferred if b != bucket_index]
                 deferred[:] = [b for b in deferred if b == bucket_index]
                 if owner is not None:
                     for ready_index in ready:
                         owner.on_bucket_ready(group_index, ready_index)
-            if last_call != self._call:
-                last_call = self._call
-                self._landed[group_index][bucket_index] += 1
-            counts = self._remaining[group_index]
+            call = self._call
+            if last_call != call:
+                last_call = call
+                landed[bucket_index] += 1
             counts[bucket_index] -= 1
-            if counts[bucket_index] == 0 and owner is not None:
-                if followed[0]:
+            if counts[bucket_index] == 0:
+                owner = owner_ref()
+                if owner is None:
+                    return
+                if self._followed[index]:
                     deferred.append(bucket_index)  # hooks after this one still read p.grad
                 else:
                     owner.on_bucket_ready(group_index, bucket_index)
@@ -140,15 +156,33 @@ class BucketHooks:
         if self._unhooked:
             self._hook_unfrozen()
         self._call += 1
-        for param, hook, followed in self._watched:
-            hooks = getattr(param, "_post_accumulate_grad_hooks", None)  # {handle id: hook}, in running order
-            followed[0] = bool(hooks) and next(reversed(hooks.values())) is not hook
+        self._followed = self._read_followed()
         for remaining, expected, landed in zip(self._remaining, self._expected, self._landed, strict=True):
             remaining[:] = expected
             landed[:] = [0] * len(landed)
         for deferred in self._deferred:
             deferred.clear()
         self.active = True
+
+    def _read_followed(self) -> list[bool]:
+        """Per hooked parameter: whether hooks registered after this accumulator's run after it. A hook table
+        ({handle id: hook}, in running order) holding only this accumulator's hook needs no closer look: only
+        tables of two or more entries are read one by one (usually none), the lengths in one C-level pass."""
+        watched, own = self._watched, self._watched_hooks
+        followed = [False] * len(watched)
+        try:
+            tables = list(map(_POST_ACCUMULATE_HOOKS, watched))
+            several = (
+                list(itertools.compress(range(len(tables)), map(_MORE_THAN_ONE, map(len, tables))))
+                if tables and max(map(len, tables)) > 1
+                else []
+            )
+        except (AttributeError, TypeError):  # a table missing or None (never, for torch tensors): every one read
+            tables = [getattr(param, "_post_accumulate_grad_hooks", None) for param in watched]
+            several = [i for i, hooks in enumerate(tables) if hooks]
+        for i in several:
+            followed[i] = next(reversed(tables[i].values())) is not own[i]
+        return followed
 
     def _hook_unfrozen(self) -> None:
         """Hook the parameters that require grad now but did not when looked at before; each bucket then waits for
@@ -206,3 +240,5 @@ class BucketHooks:
         self._handles.clear()
         self._unhooked.clear()
         self._watched.clear()
+        self._watched_hooks.clear()
+        self._followed.clear()
