@@ -316,8 +316,12 @@ class GradAccumulator(torch.optim.Optimizer):
         # window edges (strides may change where no element moves, see _same_memory_order).
         self._kinds = list(map(_KIND_OF, self._managed))
         self._strides = list(map(torch.Tensor.stride, self._managed))
-        # Each parameter's tensor as autograd knows it when its hooks were attached (see _rearm_swapped).
+        # Each parameter's tensor as autograd knows it when its hooks were attached, and a mark in its __dict__, which
+        # torch.utils.swap_tensors swaps away with the tensor (see _rearm_swapped).
         self._tensors = list(map(_TENSOR_OF, self._managed))
+        self._hook_mark = object()
+        for param in self._managed:
+            vars(param)[_HOOK_MARK] = self._hook_mark
         self._position_of: dict[int, int] | None = None  # id(param) -> its index in _managed, made when first needed
 
         self._micro_step: int = 0
@@ -1441,6 +1445,7 @@ class GradAccumulator(torch.optim.Optimizer):
             and list(map(_KIND_OF, self._managed)) == self._kinds
             and list(map(torch.Tensor.stride, self._managed)) == self._strides
             and list(map(_TENSOR_OF, self._managed)) == self._tensors
+            and all(vars(param).get(_HOOK_MARK) is self._hook_mark for param in self._managed)
         ):
             return
         positions = [
@@ -1485,23 +1490,38 @@ class GradAccumulator(torch.optim.Optimizer):
         gradient and was written since that step: autograd added the new gradient into it, and the two cannot be
         told apart.
         """
+        # The tensor's address alone could miss a second swap that reused a freed tensor's address; the mark alone,
+        # a swap whose new tensor was given the old one's __dict__.
         swapped = {
-            id(param) for param, tensor in zip(self._managed, self._tensors, strict=True) if _TENSOR_OF(param) != tensor
+            id(param)
+            for param, tensor in zip(self._managed, self._tensors, strict=True)
+            if _TENSOR_OF(param) != tensor or vars(param).get(_HOOK_MARK) is not self._hook_mark
         }
         for group in self._groups:
             if group.published is None or group.published_version is None:
                 continue
             written = _published_source(group)._version != group.published_version
             for index, param in enumerate(group.params):
-                if written and id(param) in swapped and _is_published(group, index, param.grad):
+                view, grad = group.published[index], param.grad
+                if id(param) not in swapped or view is None or not group.hooked[index] or grad is None:
+                    continue
+                # Added into in place, or out of place (a new p.grad with a graph) under create_graph=True; a new
+                # p.grad without one is a gradient of its own (the swap dropped the finished one, as load_state_dict).
+                if (grad is view and written) or (grad is not view and grad.requires_grad):
                     raise RuntimeError(
-                        f"{group.names[index]}: its p.grad is still the finished gradient the last window's step "
-                        "handed out, and was written since, most likely by autograd adding a new gradient into it: "
-                        "the parameter's tensor was swapped (torch.utils.swap_tensors, which model.load_state_dict() "
-                        "and model.to() use under torch.__future__.set_swap_module_params_on_conversion(True)), so "
-                        "the hook that releases that gradient before a backward did not run; nothing changed. Call "
-                        "opt.zero_grad() after step() (or after swapping, before the next backward) and run this "
-                        "micro-batch again"
+                        f"{group.names[index]}: its p.grad may be the finished gradient the last window's step handed "
+                        "out with a new gradient added to it: the parameter's tensor was swapped since "
+                        "(torch.utils.swap_tensors, which model.load_state_dict() and model.to() use under "
+                        "torch.__future__.set_swap_module_params_on_conversion(True)), so the hook that releases that "
+                        "gradient before a backward did not run, and "
+                        + (
+                            "it was written in place since"
+                            if grad is view
+                            else "under create_graph=True a new p.grad "
+                            "made from it cannot be told from one made after the swap"
+                        )
+                        + "; nothing changed. Call opt.zero_grad() after step() (or after swapping, before the next "
+                        "backward) and run this micro-batch again"
                     )
         for index, param in enumerate(self._managed):
             if id(param) in swapped:
@@ -1510,6 +1530,7 @@ class GradAccumulator(torch.optim.Optimizer):
                     if hooks is not None:
                         setattr(param, table, hooks)  # setting a table attaches it to the tensor held now
                 self._tensors[index] = _TENSOR_OF(param)
+                vars(param)[_HOOK_MARK] = self._hook_mark
 
     def _check_param_count(self) -> None:
         """Refuse an inner optimizer that gained or lost parameters (``add_param_group`` on it, say)."""
@@ -2366,6 +2387,8 @@ _KIND_FIELDS = ("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "g
 _KIND_OF = operator.attrgetter(*_KIND_FIELDS)
 # Which tensor a parameter holds as autograd sees it: changed by torch.utils.swap_tensors, the Python object kept.
 _TENSOR_OF = operator.attrgetter("_cdata")
+# The key of the mark each accumulator leaves in its parameters' __dict__ (swapped away with the tensor).
+_HOOK_MARK = "_gafused_hooks"
 
 
 def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple[int, ...]) -> bool:

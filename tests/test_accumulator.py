@@ -1125,12 +1125,16 @@ def _swap_every_tensor(model, how):
     tensors = [p._cdata for p in model.parameters()]
     if how == "load_state_dict":
         model.load_state_dict(model.state_dict())
-    else:
+        assert all(p._cdata != tensor for p, tensor in zip(model.parameters(), tensors, strict=True))
+    elif how == "to":
         model.to("cpu")  # already there: the tensors are swapped all the same
-    assert all(p._cdata != tensor for p, tensor in zip(model.parameters(), tensors, strict=True))
+        assert all(p._cdata != tensor for p, tensor in zip(model.parameters(), tensors, strict=True))
+    else:  # several swaps: a later tensor may take a freed one's address, the one the accumulator saw
+        for _ in range(3):
+            model.to("cpu")
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "to"])
+@pytest.mark.parametrize("how", ["load_state_dict", "to", "to three times"])
 def test_parameters_swapped_in_place_between_windows_keep_their_hooks(loop, how, swap_on_conversion):
     """A swapped parameter keeps its hook tables, but autograd runs those of the tensor it held before: the buckets
     were no longer folded during backward, nor a user's hook run. The accumulator attaches the tables again at the
@@ -1168,40 +1172,75 @@ def test_parameters_swapped_in_place_between_windows_keep_their_hooks(loop, how,
             assert len(user) == 2
 
 
-def test_a_finished_gradient_kept_through_a_swap_and_added_into_is_refused(swap_on_conversion):
+def test_hooks_are_attached_again_after_swaps_that_reuse_a_freed_tensors_address(swap_on_conversion):
+    """After several swaps a parameter may hold a tensor at the address of the one the accumulator saw (freed by an
+    earlier swap): the address alone said "not swapped" and the buckets were no longer folded during backward. The
+    mark the accumulator leaves in the parameter's __dict__ goes with every swap."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, bucket_bytes=1)
+    ready = []
+    on_bucket_ready = opt.on_bucket_ready
+    opt.on_bucket_ready = lambda g, b: (ready.append(b), on_bucket_ready(g, b))
+    tensors = [p._cdata for p in model.parameters()]
+    counts = []
+    for window in range(3):
+        if window == 1:
+            for _ in range(3):
+                model.to("cpu")
+            reused = any(p._cdata == tensor for p, tensor in zip(model.parameters(), tensors, strict=True))
+        ready.clear()
+        for _ in range(2):
+            opt.backward(model(torch.randn(4, 5)).square().mean(), weight=4)
+            opt.step()
+            opt.zero_grad()
+        counts.append(len(ready))
+    assert counts == [4, 4, 4], (counts, reused)
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["in place", "create_graph"])
+def test_a_finished_gradient_kept_through_a_swap_and_added_into_is_refused(swap_on_conversion, create_graph):
     """The step-time loop without zero_grad(): model.to() keeps the finished gradient a window's step handed out,
     and the hook that releases it before a backward no longer runs on the swapped tensor, so autograd adds the next
-    micro-batch into it. That gradient cannot be told from the finished one: refused, changing nothing; after
-    zero_grad() the micro-batch runs again and the window is the big batch's. load_state_dict() drops p.grad, and
-    the windows after it are exact without zero_grad()."""
+    micro-batch into it (in place, or into a new tensor under create_graph=True). That gradient cannot be told from
+    the finished one: refused, changing nothing, also after several swaps; after zero_grad() the micro-batch runs
+    again and the window is the big batch's. load_state_dict() drops p.grad, and the windows after it are exact
+    without zero_grad(), but under create_graph=True a new p.grad with a graph looks like such a sum: refused too."""
     model = _model()
     reference = copy.deepcopy(model)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    batches = _data([3, 4, 2, 5, 4, 3, 2, 2])
+    batches = _data([3, 4, 2, 5, 4, 3, 2, 2, 3, 3])
+
+    def backward(x, y):
+        _loss(model, x, y).backward(create_graph=create_graph)
 
     def window(pair, swap=None):
         for index, (x, y) in enumerate(pair):
             if swap is not None and index == 0:
                 _swap_every_tensor(model, swap)
-            _loss(model, x, y).backward()
-            if swap == "to" and index == 0:
+            backward(x, y)
+            if index == 0 and (swap in ("to", "to three times") or (swap is not None and create_graph)):
                 before = [p.detach().clone() for p in model.parameters()]
-                with pytest.raises(RuntimeError, match=r"params'\]\[0\].*still the finished gradient.*swap_tensors"):
+                said = "create_graph=True a new p.grad" if create_graph else "written in place"
+                with pytest.raises(RuntimeError, match=rf"params'\]\[0\].*may be the finished gradient.*{said}"):
                     opt.step(weight=len(x))
                 assert opt.micro_step == 0 and opt.stepped  # as the last window's step left it
                 assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
                 opt.zero_grad()
-                _loss(model, x, y).backward()
+                backward(x, y)
             opt.step(weight=len(x))  # no zero_grad(): the finished gradients stay in p.grad
         assert opt.stepped
         _big_batch_step(reference, reference_opt, pair)
         _assert_same_params(model, reference, 1e-12)
 
-    window(batches[0:2])
-    window(batches[2:4], swap="load_state_dict")
-    window(batches[4:6])
-    window(batches[6:8], swap="to")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # create_graph=True's warning about the cycle between a parameter and its grad
+        window(batches[0:2])
+        window(batches[2:4], swap="load_state_dict")
+        window(batches[4:6])
+        window(batches[6:8], swap="to")
+        window(batches[8:10], swap="to three times")
 
 
 def _micro_step(opt, model, x, y, loop, scaler=None):
