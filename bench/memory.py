@@ -107,14 +107,17 @@ class _CpuTracker:
             if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
         ]
         events.sort(key=lambda event: event.start_ns())  # a stable sort keeps same-timestamp events in order
+        sizes = [event.nbytes() for event in events]
         peaks: list[int] = []
-        live = 0
-        for event in events:
-            size = event.nbytes()
-            if len(peaks) < len(self._phases) and size == _marker_bytes(len(peaks)):
-                peaks.append(live)  # the next phase begins; its marker is not counted, nor its free below
-                continue
-            if peaks and size == -_marker_bytes(len(peaks) - 1):
+        live, index = 0, 0
+        while index < len(sizes):
+            size = sizes[index]
+            index += 1
+            marker = _marker_bytes(len(peaks))
+            # A mark: its allocation, freed at once (a tensor of that size that lives on is not one).
+            if len(peaks) < len(self._phases) and size == marker and index < len(sizes) and sizes[index] == -marker:
+                peaks.append(live)  # the next phase begins; the marker is not counted
+                index += 1
                 continue
             live += size
             if peaks:

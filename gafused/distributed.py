@@ -209,6 +209,19 @@ def _ddp_reduced(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+_JOIN_REFUSED = (
+    "model: DDP's join() (uneven inputs) is not supported with GradAccumulator(model=): its join hook shadows DDP's "
+    "own all-reduces, not the accumulator's, so a rank that ran out of inputs would leave the others' window "
+    "collectives unmatched (an abort or a hang). Give every rank the same number of micro-batches (weight=0 for "
+    "padding ones)."
+)
+
+
+def _refuse_join(**kwargs: Any) -> Any:
+    """DDP's ``join_hook`` while an accumulator owns the model's synchronization (see ``_JOIN_REFUSED``)."""
+    raise RuntimeError(_JOIN_REFUSED)
+
+
 class _NoSyncHandingBack:
     """DDP's ``no_sync()`` on a model whose synchronization accumulators took over (an instance attribute while
     they live): after the block, synchronizing again if they handed it back meanwhile, since the block's exit
@@ -275,6 +288,10 @@ class DDPSync(Sync):
         # turns it on again after such an exit; it goes when the last accumulator over the model does.
         if "no_sync" not in vars(model):
             model.no_sync = _NoSyncHandingBack(model)
+        # join() asks each joinable for its hook before it changes anything: refused there, on every rank (those
+        # out of inputs too), with the model left as it was.
+        if "join_hook" not in vars(model):
+            model.join_hook = _refuse_join
 
     def before_forward(self) -> None:
         # DDP decides at its forward whether the backward all-reduces. Off again before each one: the exit of a
@@ -282,13 +299,11 @@ class DDPSync(Sync):
         if self._attached:
             join = getattr(self._model, "_join_config", None)
             if join is not None and join.enable:
-                # Every rank enters join() together, so every rank raises here, before DDP's first collective.
+                # Entered before the accumulator was built (join() itself is refused while it lives): every rank
+                # raises here, before DDP's first collective.
                 raise RuntimeError(
-                    "model: DDP's join() (uneven inputs) is not supported with GradAccumulator(model=): its join "
-                    "hook shadows DDP's own all-reduces, not the accumulator's, so a rank that ran out of inputs "
-                    "would leave the others' window collectives unmatched (an abort or a hang). Give every rank the "
-                    "same number of micro-batches (weight=0 for padding ones). A DDP module once used under join() "
-                    "keeps its join collectives after the block: wrap the model in a new DDP"
+                    f"{_JOIN_REFUSED} A DDP module once used under join() keeps its join collectives after the "
+                    "block: wrap the model in a new DDP"
                 )
             self._model.require_backward_grad_sync = False
 
@@ -300,6 +315,8 @@ class DDPSync(Sync):
         model.require_backward_grad_sync = True  # DDP's own setting outside no_sync()
         if isinstance(vars(model).get("no_sync"), _NoSyncHandingBack):
             del model.no_sync
+        if vars(model).get("join_hook") is _refuse_join:
+            del model.join_hook
 
     def unreduced_grads(self, held: set[int]) -> list[str]:
         return [

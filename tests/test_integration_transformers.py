@@ -855,6 +855,21 @@ def test_bad_configuration_is_refused(tmp_path: Path, kwargs: dict, error: type,
         _trainer(tmp_path, **kwargs)
 
 
+def test_reduce_dtype_in_one_process_is_refused_without_training_arguments_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without args= Trainer makes its own TrainingArguments: checked once they exist, at construction (it was
+    refused only when training started, with a message about model=, which Trainer sets)."""
+    monkeypatch.chdir(tmp_path)  # where Trainer's default output_dir would go
+    with pytest.raises(ValueError, match=r"accumulator_options\['reduce_dtype'\] .* one process"):
+        GafusedTrainer(
+            model=cases.make_model(),
+            train_dataset=cases.Sequences(),
+            data_collator=cases.collate,
+            accumulator_options={"reduce_dtype": torch.bfloat16},
+        )
+
+
 def test_a_gradaccumulator_as_the_optimizer_is_refused(tmp_path: Path) -> None:
     model = cases.make_model()
     accumulator = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)

@@ -119,6 +119,18 @@ def test_tracker_splits_the_measured_stretch_into_phases():
     assert tracker.peak_after_mark() == 28000
 
 
+def test_tracker_takes_a_tensor_of_a_marks_size_for_a_tensor():
+    """A mark is an allocation freed at once: a byte tensor of the next mark's size that lives on is counted."""
+    with memory.track_peak(torch.device("cpu")) as tracker:
+        tracker.mark("a")
+        lookalike = torch.empty(memory._marker_bytes(1), dtype=torch.uint8)
+        temporary = torch.empty(100_000, dtype=torch.uint8)
+        del temporary
+        tracker.mark("b")
+        del lookalike
+    assert tracker.phase_peaks() == {"a": memory._marker_bytes(1) + 100_000, "b": memory._marker_bytes(1)}
+
+
 def test_gpu_tracker_splits_phases_from_the_allocator_statistics(monkeypatch):
     """The CUDA tracker's phases, on a stand-in for the caching allocator's statistics (no GPU here): each phase's
     peak is the allocator's peak since that phase's mark (reset there), over what was allocated at the start."""
