@@ -95,8 +95,15 @@ class _CpuTracker:
         """Start the measured stretch, or (called again) a new phase of it; see ``phase_peaks``."""
         _new_phase(self._phases, phase)
         # Each mark is an allocation of its own odd size, freed at once: the events show where each phase begins.
-        marker = torch.empty(_marker_bytes(len(self._phases) - 1), dtype=torch.uint8)
-        del marker
+        # The cyclic collector is kept out of it (it could free a tensor between the two).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            marker = torch.empty(_marker_bytes(len(self._phases) - 1), dtype=torch.uint8)
+            del marker
+        finally:
+            if collecting:
+                gc.enable()
 
     def phase_peaks(self) -> dict[str, int]:
         """Per phase, in the order marked: the highest live byte count from its mark to the next (live bytes

@@ -36,6 +36,7 @@ import math
 import numbers
 import operator
 import sys
+import uuid
 import warnings
 import weakref
 from collections import OrderedDict
@@ -316,12 +317,12 @@ class GradAccumulator(torch.optim.Optimizer):
         # window edges (strides may change where no element moves, see _same_memory_order).
         self._kinds = list(map(_KIND_OF, self._managed))
         self._strides = list(map(torch.Tensor.stride, self._managed))
-        # Each parameter's tensor as autograd knows it when its hooks were attached, and a mark in its __dict__, which
-        # torch.utils.swap_tensors swaps away with the tensor (see _rearm_swapped).
+        # Each parameter's tensor as autograd knows it when its hooks were attached, and this accumulator's mark in its
+        # __dict__, which torch.utils.swap_tensors swaps away with the tensor (see _rearm_swapped): a random int, which
+        # a Parameter saved with it loads with (torch.load's weights_only takes ints), in a dict of every live
+        # accumulator's marks (set once construction can no longer fail).
         self._tensors = list(map(_TENSOR_OF, self._managed))
-        self._hook_mark = object()
-        for param in self._managed:
-            vars(param)[_HOOK_MARK] = self._hook_mark
+        self._hook_mark = uuid.uuid4().int
         self._position_of: dict[int, int] | None = None  # id(param) -> its index in _managed, made when first needed
 
         self._micro_step: int = 0
@@ -365,6 +366,8 @@ class GradAccumulator(torch.optim.Optimizer):
             self._model_hook = model.register_forward_pre_hook(_before_model_forward(self))
         sync.attach()  # last: a refused construction leaves the model's own synchronization as it was
         self._attached = True
+        for param in self._managed:
+            _mark(param, self._hook_mark)
         # Finished gradients an earlier accumulator over these parameters handed out are views of its buffers, not
         # new gradients: released, or the first step() here would fold them again.
         for other in list(_LIVE_ACCUMULATORS):
@@ -399,6 +402,13 @@ class GradAccumulator(torch.optim.Optimizer):
         hooks = state.get("_hooks")
         if hooks is not None:
             hooks.remove()
+        mark = state.get("_hook_mark")
+        for param in state.get("_managed", ()) if mark is not None else ():
+            marks = vars(param).get(_HOOK_MARK)
+            if isinstance(marks, dict):
+                marks.pop(mark, None)
+                if not marks:
+                    del vars(param)[_HOOK_MARK]
         if "_groups" in state and "_published_hooks" in state:
             # The finished gradients are views of buffers about to go: an accumulator built next over the same
             # parameters would take them for new gradients and fold them again.
@@ -1445,7 +1455,7 @@ class GradAccumulator(torch.optim.Optimizer):
             and list(map(_KIND_OF, self._managed)) == self._kinds
             and list(map(torch.Tensor.stride, self._managed)) == self._strides
             and list(map(_TENSOR_OF, self._managed)) == self._tensors
-            and all(vars(param).get(_HOOK_MARK) is self._hook_mark for param in self._managed)
+            and all(_marked(param, self._hook_mark) for param in self._managed)
         ):
             return
         positions = [
@@ -1495,7 +1505,7 @@ class GradAccumulator(torch.optim.Optimizer):
         swapped = {
             id(param)
             for param, tensor in zip(self._managed, self._tensors, strict=True)
-            if _TENSOR_OF(param) != tensor or vars(param).get(_HOOK_MARK) is not self._hook_mark
+            if _TENSOR_OF(param) != tensor or not _marked(param, self._hook_mark)
         }
         for group in self._groups:
             if group.published is None or group.published_version is None:
@@ -1530,7 +1540,7 @@ class GradAccumulator(torch.optim.Optimizer):
                     if hooks is not None:
                         setattr(param, table, hooks)  # setting a table attaches it to the tensor held now
                 self._tensors[index] = _TENSOR_OF(param)
-                vars(param)[_HOOK_MARK] = self._hook_mark
+                _mark(param, self._hook_mark)
 
     def _check_param_count(self) -> None:
         """Refuse an inner optimizer that gained or lost parameters (``add_param_group`` on it, say)."""
@@ -2387,8 +2397,20 @@ _KIND_FIELDS = ("device", "dtype", *(("grad_dtype",) if hasattr(torch.Tensor, "g
 _KIND_OF = operator.attrgetter(*_KIND_FIELDS)
 # Which tensor a parameter holds as autograd sees it: changed by torch.utils.swap_tensors, the Python object kept.
 _TENSOR_OF = operator.attrgetter("_cdata")
-# The key of the mark each accumulator leaves in its parameters' __dict__ (swapped away with the tensor).
+# The key of the marks the accumulators leave in their parameters' __dict__ (swapped away with the tensor).
 _HOOK_MARK = "_gafused_hooks"
+
+
+def _marked(param: torch.Tensor, mark: int) -> bool:
+    marks = vars(param).get(_HOOK_MARK)
+    return isinstance(marks, dict) and mark in marks
+
+
+def _mark(param: torch.Tensor, mark: int) -> None:
+    marks = vars(param).get(_HOOK_MARK)
+    if not isinstance(marks, dict):
+        marks = vars(param)[_HOOK_MARK] = {}
+    marks[mark] = True
 
 
 def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple[int, ...]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -217,9 +218,20 @@ _JOIN_REFUSED = (
 )
 
 
-def _refuse_join(**kwargs: Any) -> Any:
-    """DDP's ``join_hook`` while an accumulator owns the model's synchronization (see ``_JOIN_REFUSED``)."""
-    raise RuntimeError(_JOIN_REFUSED)
+class _JoinRefused:
+    """DDP's ``join()`` on a model whose synchronization accumulators took over (an instance attribute while they
+    live): refused before it changes anything, on every rank (those out of inputs too); ``enable=False``, which
+    joins nothing, goes on as DDP's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model
+        bound = inspect.signature(type(model).join).bind(model, *args, **kwargs)
+        if bound.arguments.get("enable", True):
+            raise RuntimeError(_JOIN_REFUSED)
+        return type(model).join(model, *args, **kwargs)
 
 
 class _NoSyncHandingBack:
@@ -288,10 +300,8 @@ class DDPSync(Sync):
         # turns it on again after such an exit; it goes when the last accumulator over the model does.
         if "no_sync" not in vars(model):
             model.no_sync = _NoSyncHandingBack(model)
-        # join() asks each joinable for its hook before it changes anything: refused there, on every rank (those
-        # out of inputs too), with the model left as it was.
-        if "join_hook" not in vars(model):
-            model.join_hook = _refuse_join
+        if "join" not in vars(model):
+            model.join = _JoinRefused(model)
 
     def before_forward(self) -> None:
         # DDP decides at its forward whether the backward all-reduces. Off again before each one: the exit of a
@@ -299,8 +309,8 @@ class DDPSync(Sync):
         if self._attached:
             join = getattr(self._model, "_join_config", None)
             if join is not None and join.enable:
-                # Entered before the accumulator was built (join() itself is refused while it lives): every rank
-                # raises here, before DDP's first collective.
+                # Join([model]) entered directly, or a join entered before the accumulator was built (model.join()
+                # is refused while it lives): every rank raises here, before DDP's first collective.
                 raise RuntimeError(
                     f"{_JOIN_REFUSED} A DDP module once used under join() keeps its join collectives after the "
                     "block: wrap the model in a new DDP"
@@ -315,8 +325,8 @@ class DDPSync(Sync):
         model.require_backward_grad_sync = True  # DDP's own setting outside no_sync()
         if isinstance(vars(model).get("no_sync"), _NoSyncHandingBack):
             del model.no_sync
-        if vars(model).get("join_hook") is _refuse_join:
-            del model.join_hook
+        if isinstance(vars(model).get("join"), _JoinRefused):
+            del model.join
 
     def unreduced_grads(self, held: set[int]) -> list[str]:
         return [

@@ -619,6 +619,8 @@ def _misuse(rank: int) -> dict[str, str]:
 
     said["ddp join"] = _said(RuntimeError, forward_under_join, joined)
     said["ddp join micro_step"] = str(accumulator.micro_step)
+    with joined.join(enable=False):  # joins nothing: DDP's own
+        said["ddp join disabled"] = "no error"
     accumulator.backward(token_losses(joined, x, y).mean(), weight=x.shape[0])  # the model was left as it was
     accumulator.step()
     said["ddp after join refused micro_step"] = str(accumulator.micro_step)

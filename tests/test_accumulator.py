@@ -1198,6 +1198,46 @@ def test_hooks_are_attached_again_after_swaps_that_reuse_a_freed_tensors_address
     assert counts == [4, 4, 4], (counts, reused)
 
 
+def test_the_swap_mark_saves_with_parameters_and_leaves_with_its_accumulator():
+    """The mark each accumulator leaves in its parameters' __dict__ is an int: Parameters saved with it (an EMA copy,
+    state_dict(keep_vars=True)) load with torch.load's weights_only. Each accumulator has its own, taken away when
+    it is dropped."""
+    import gc
+
+    model = _model()
+    first = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    second = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    assert len(vars(model[0].weight)["_gafused_hooks"]) == 2
+    saved = io.BytesIO()
+    torch.save(model.state_dict(keep_vars=True), saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    assert torch.equal(loaded["0.weight"], model[0].weight)
+    del first, second
+    gc.collect()
+    assert all("_gafused_hooks" not in vars(p) for p in model.parameters())
+
+
+def test_two_accumulators_over_the_same_parameters_take_turns_exactly_under_create_graph():
+    """Each one's mark is its own: the other's use is not a swap (a new p.grad with a graph was refused as one)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    accumulators = [GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2) for _ in range(2)]
+    batches = _data([3, 4, 2, 5, 4, 3, 2, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # create_graph=True's warning about the cycle between a parameter and its grad
+        for window in range(4):
+            pair = batches[2 * window : 2 * window + 2]
+            opt = accumulators[window % 2]
+            for x, y in pair:
+                _loss(model, x, y).backward(create_graph=True)
+                opt.step(weight=len(x))
+            assert opt.stepped
+            _big_batch_step(reference, reference_opt, pair)
+            _assert_same_params(model, reference, 1e-12)
+
+
 @pytest.mark.parametrize("create_graph", [False, True], ids=["in place", "create_graph"])
 def test_a_finished_gradient_kept_through_a_swap_and_added_into_is_refused(swap_on_conversion, create_graph):
     """The step-time loop without zero_grad(): model.to() keeps the finished gradient a window's step handed out,

@@ -286,6 +286,7 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert f"with different max_grad_norm (rank {rank}: max_grad_norm=" in refused, refused
         assert "join() (uneven inputs) is not supported" in said["ddp join"], said["ddp join"]
         assert said["ddp join micro_step"] == "0" and said["ddp after join refused micro_step"] == "1"
+        assert said["ddp join disabled"] == "no error"
         assert said["ddp sync while the accumulator lives"] == "False"
         assert said["ddp sync after the accumulator is dropped"] == "True"  # DDP synchronizes again on its own
         assert f"different micro-steps (this rank: {rank + 1})" in said["window ends apart"]

@@ -119,6 +119,28 @@ def test_tracker_splits_the_measured_stretch_into_phases():
     assert tracker.peak_after_mark() == 28000
 
 
+def test_tracker_marks_hold_when_the_collector_would_run_inside_them():
+    """A collection inside mark() could free a tensor between the mark's allocation and its free."""
+    import gc
+
+    class Cycle:
+        pass
+
+    threshold = gc.get_threshold()
+    with memory.track_peak(torch.device("cpu")) as tracker:
+        tracker.mark("a")
+        cycle = Cycle()
+        cycle.self, cycle.tensor = cycle, torch.empty(1000, dtype=torch.uint8)
+        del cycle
+        gc.set_threshold(1)
+        try:
+            tracker.mark("b")
+        finally:
+            gc.set_threshold(*threshold)
+        gc.collect()
+    assert tracker.phase_peaks()["a"] == 1000
+
+
 def test_tracker_takes_a_tensor_of_a_marks_size_for_a_tensor():
     """A mark is an allocation freed at once: a byte tensor of the next mark's size that lives on is counted."""
     with memory.track_peak(torch.device("cpu")) as tracker:
