@@ -1496,9 +1496,11 @@ class GradAccumulator(torch.optim.Optimizer):
         A swapped parameter keeps its hook tables, but autograd runs the tables attached to the tensor it held before:
         the accumulator's hooks (folding during backward, releasing a finished gradient before autograd adds into
         it) and the user's alike would never run again. Setting each table again attaches it to the tensor held now.
-        Refused, changing nothing, where a swapped parameter's ``p.grad`` is still the last window's finished
-        gradient and was written since that step: autograd added the new gradient into it, and the two cannot be
-        told apart.
+        Refused, changing nothing, where a swapped parameter's ``p.grad`` may hold the last window's finished
+        gradient with a new one added (the release hook did not run): it is still the view handed out and was written
+        since that step (autograd added into it in place), or it is a new tensor with a graph (under
+        ``create_graph=True`` autograd adds out of place, and the sum cannot be told from a gradient made after the
+        swap).
         """
         # The tensor's address alone could miss a second swap that reused a freed tensor's address; the mark alone,
         # a swap whose new tensor was given the old one's __dict__.
