@@ -93,7 +93,8 @@ class _CpuTracker:
 
     def mark(self, phase: str = "measured") -> None:
         """Start the measured stretch, or (called again) a new phase of it; see ``phase_peaks``."""
-        _new_phase(self._phases, phase)
+        _check_new_phase(self._phases, phase)
+        self._phases.append(phase)
         # Each mark is an allocation of its own odd size, freed at once: the events show where each phase begins.
         # The cyclic collector is kept out of it (it could free a tensor between the two).
         collecting = gc.isenabled()
@@ -178,8 +179,7 @@ class _CudaTracker:
             self._peaks.append(torch.cuda.max_memory_allocated() - self._start)
 
     def mark(self, phase: str = "measured") -> None:
-        _new_phase(self._phases, phase)  # refuses a repeated name before the previous phase is closed
-        self._phases.pop()
+        _check_new_phase(self._phases, phase)  # before the previous phase is closed
         self._close_phase()
         self._phases.append(phase)
         torch.cuda.reset_peak_memory_stats()
@@ -200,10 +200,9 @@ def _marker_bytes(index: int) -> int:
     return _MARK_BYTES + 2 * index
 
 
-def _new_phase(phases: list[str], phase: str) -> None:
+def _check_new_phase(phases: list[str], phase: str) -> None:
     if phase in phases:
         raise ValueError(f"memory tracker: phase {phase!r} was already marked (phases: {phases})")
-    phases.append(phase)
 
 
 def _no_mark() -> int:

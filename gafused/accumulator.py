@@ -323,7 +323,6 @@ class GradAccumulator(torch.optim.Optimizer):
         # accumulator's marks (set once construction can no longer fail).
         self._tensors = list(map(_TENSOR_OF, self._managed))
         self._hook_mark = uuid.uuid4().int
-        self._position_of: dict[int, int] | None = None  # id(param) -> its index in _managed, made when first needed
 
         self._micro_step: int = 0
         self._stepped: bool = False
@@ -404,11 +403,7 @@ class GradAccumulator(torch.optim.Optimizer):
             hooks.remove()
         mark = state.get("_hook_mark")
         for param in state.get("_managed", ()) if mark is not None else ():
-            marks = vars(param).get(_HOOK_MARK)
-            if isinstance(marks, dict):
-                marks.pop(mark, None)
-                if not marks:
-                    del vars(param)[_HOOK_MARK]
+            _unmark(param, mark)
         if "_groups" in state and "_published_hooks" in state:
             # The finished gradients are views of buffers about to go: an accumulator built next over the same
             # parameters would take them for new gradients and fold them again.
@@ -1941,12 +1936,11 @@ class GradAccumulator(torch.optim.Optimizer):
         if group.param_dtype == buffer.accum_dtype:
             if group_coef is not None:
                 ops.scale_(buffer, group_coef, backend=group.backend)
-            source = buffer.data
         else:
             group.finished = torch.empty(buffer.numel, dtype=group.param_dtype, device=buffer.device)
             one = torch.ones((), dtype=buffer.accum_dtype, device=buffer.device)
             ops.scale_(buffer, one if group_coef is None else group_coef, out=group.finished, backend=group.backend)
-            source = group.finished
+        source = _published_source(group)
         published: list[torch.Tensor | None] = []
         hooked: list[bool] = []
         wrap_grad, handles = self._sync.wrap_grad, self._published_hooks
@@ -2034,11 +2028,11 @@ class GradAccumulator(torch.optim.Optimizer):
             "rank": self._sync.rank,
             "buffers": [],
         }
-        for group in self._groups:
+        for group, positions in zip(self._groups, self._positions(), strict=True):
             entry: dict[str, Any] = {
                 "numels": list(group.buffer.numels),
                 "shapes": [list(shape) for shape in group.buffer.shapes],
-                "positions": self._positions(group),
+                "positions": positions,
                 "had_grad": list(group.had_grad),
             }
             if self._micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
@@ -2144,11 +2138,10 @@ class GradAccumulator(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _positions(self, group: _Group) -> list[int]:
-        """Where each of the group's parameters sits in the optimizer's order (its param_groups, flattened)."""
-        if self._position_of is None:
-            self._position_of = {id(param): index for index, param in enumerate(self._managed)}
-        return [self._position_of[id(param)] for param in group.params]
+    def _positions(self) -> list[list[int]]:
+        """Per buffer, where each of its parameters sits in the optimizer's order (its param_groups, flattened)."""
+        position = {id(param): index for index, param in enumerate(self._managed)}
+        return [[position[id(param)] for param in group.params] for group in self._groups]
 
     def _check_groups_match(self, inner: dict[str, Any]) -> None:
         """The inner optimizer's own checks on its groups, made before the window's fields are checked against
@@ -2346,14 +2339,13 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"state_dict['gafused']['buffers']: expected {len(self._groups)} buffer entries for this "
                 f"accumulator's parameters (the window is open at micro_step {micro_step})"
             )
-        for index, (entry, group) in enumerate(zip(saved, self._groups, strict=True)):
+        for index, (entry, group, positions) in enumerate(zip(saved, self._groups, self._positions(), strict=True)):
             where = f"state_dict['gafused']['buffers'][{index}]"
             if not isinstance(entry, dict) or entry.get("numels") != group.buffer.numels:
                 raise ValueError(f"{where}: its 'numels' do not match this accumulator's parameters")
             shapes = [list(shape) for shape in group.buffer.shapes]
             if version >= 3 and entry.get("shapes") != shapes:
                 raise ValueError(f"{where}['shapes']: expected this accumulator's parameters' shapes {shapes}")
-            positions = self._positions(group)
             if version >= 5 and entry.get("positions") != positions:
                 raise ValueError(
                     f"{where}['positions']: expected {positions}, the positions of this buffer's parameters in the "
@@ -2413,6 +2405,14 @@ def _mark(param: torch.Tensor, mark: int) -> None:
     if not isinstance(marks, dict):
         marks = vars(param)[_HOOK_MARK] = {}
     marks[mark] = True
+
+
+def _unmark(param: torch.Tensor, mark: int) -> None:
+    marks = vars(param).get(_HOOK_MARK)
+    if isinstance(marks, dict):
+        marks.pop(mark, None)
+        if not marks:
+            del vars(param)[_HOOK_MARK]
 
 
 def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple[int, ...]) -> bool:
