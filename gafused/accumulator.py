@@ -135,12 +135,6 @@ def _check_accumulation_steps(value: Any) -> int | None:
     return value
 
 
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {ops.type_name(value)}")
-    return value
-
-
 def _check_max_norm(value: Any) -> float | None:
     if value is None:
         return None
@@ -707,7 +701,7 @@ class GradAccumulator(torch.optim.Optimizer):
             create_graph: as in ``torch.autograd.backward``.
             inputs: as in ``torch.autograd.backward``.
         """
-        _check_bool(end_window, "end_window")
+        ops.check_bool(end_window, "end_window")
         _check_loss(loss)
         self._check_param_set(identity=self._micro is None and self._micro_step == 0)
         micro = self._micro
@@ -857,7 +851,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"step(): closure must be callable or None, got {type(closure).__name__}; a micro-batch weight is "
                 "passed by keyword: step(weight=w)"
             )
-        _check_bool(end_window, "end_window")
+        ops.check_bool(end_window, "end_window")
         self._check_not_unscaled()
         if closure is None and _called_from_dcp("_init_optim_state"):
             self._init_inner_state_for_dcp()

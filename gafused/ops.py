@@ -341,16 +341,14 @@ def _scalar(value: float | torch.Tensor, name: str, buffer: FlatGradBuffer, out:
     return torch.full((), number, dtype=buffer.accum_dtype, device=buffer.device)
 
 
-def type_name(value: object) -> str:
-    """A value's type for an error message, with its module unless a builtin (NumPy's ``numpy.bool`` is not a
-    Python ``bool``, though both are named "bool")."""
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _check_first(first: object) -> None:
-    if not isinstance(first, bool):
-        raise TypeError(f"first must be a bool, got {type_name(first)}")
+def check_bool(value: object, name: str) -> bool:
+    """Refuse anything but a Python bool for ``name``, naming the type with its module unless a builtin (NumPy's
+    ``numpy.bool`` is not a Python ``bool``, though both are named "bool")."""
+    if not isinstance(value, bool):
+        kind = type(value)
+        shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{name} must be a bool, got {shown}")
+    return value
 
 
 GRAD_DTYPES = frozenset(PARAM_DTYPES)
@@ -612,7 +610,7 @@ def fold_(
         backend: ``"auto"`` or a name from ``BACKENDS``.
         check: run ``check_grads`` (False only when the caller just ran it on the same grads).
     """
-    _check_first(first)
+    check_bool(first, "first")
     checked = _checked(buffer, grads, check)
     w = _scalar(weight, "weight", buffer)
     name = resolve_backend(backend, buffer.device)
@@ -647,7 +645,7 @@ def fold_finish_(
         (sum of squares of the finished segments as a 0-d tensor of the buffer's dtype,
         0-d bool tensor: any finished element is inf or nan), both on the buffer's device.
     """
-    _check_first(first)
+    check_bool(first, "first")
     checked = _checked(buffer, grads, check)
     w = _scalar(weight, "weight", buffer)
     s = _scalar(scale, "scale", buffer)
@@ -667,8 +665,7 @@ def sum_of_squares(buffer: FlatGradBuffer, *, per_segment: bool = False, backend
         backend: ``"auto"`` or a name from ``BACKENDS``.
     """
     _check_buffer(buffer)
-    if not isinstance(per_segment, bool):
-        raise TypeError(f"per_segment must be a bool, got {type_name(per_segment)}")
+    check_bool(per_segment, "per_segment")
     name = resolve_backend(backend, buffer.device)
     if _eager(buffer.data):
         return _backend_for(buffer.data, name).sum_of_squares(buffer.data, buffer.offsets, buffer.numels, per_segment)

@@ -744,27 +744,23 @@ def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, mes
     assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
 
 
-def test_a_sparse_weight_is_refused_by_name():
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: torch.tensor(2.0).to_sparse(), "weight must be a dense tensor, got layout torch.sparse_coo"),
+        (lambda: torch.tensor(2.0, device="meta"), "weight must hold a value, got a tensor on the meta device"),
+    ],
+    ids=["sparse", "meta"],
+)
+def test_a_weight_tensor_holding_no_dense_value_is_refused_by_name(make, message):
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    sparse = torch.tensor(2.0).to_sparse()
-    with pytest.raises(ValueError, match="weight must be a dense tensor, got layout torch.sparse_coo"):
-        opt.backward(_loss(model, _batches(1)[0]), weight=sparse)
+    weight = make()
+    with pytest.raises(ValueError, match=message):
+        opt.backward(_loss(model, _batches(1)[0]), weight=weight)
     _loss(model, _batches(1)[0]).backward()
-    with pytest.raises(ValueError, match="weight must be a dense tensor, got layout torch.sparse_coo"):
-        opt.step(weight=sparse)
-    assert opt.micro_step == 0
-
-
-def test_a_weight_on_the_meta_device_is_refused_by_name():
-    model = _model()
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    meta = torch.tensor(2.0, device="meta")
-    with pytest.raises(ValueError, match="weight must hold a value, got a tensor on the meta device"):
-        opt.backward(_loss(model, _batches(1)[0]), weight=meta)
-    _loss(model, _batches(1)[0]).backward()
-    with pytest.raises(ValueError, match="weight must hold a value, got a tensor on the meta device"):
-        opt.step(weight=meta)
+    with pytest.raises(ValueError, match=message):
+        opt.step(weight=weight)
     assert opt.micro_step == 0
 
 
