@@ -59,7 +59,9 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # 3: segments in each parameter's row-major order, with the shapes; 2: in the buffer's memory order; 1: as 3, no shapes.
 # 4: as 3, and with model= the buffers laid out in the model's parameter order (before: the optimizer's, as without).
 # 5: as 4, and each buffer's parameters by their position in the optimizer's order ("positions"), checked on loading.
-_STATE_VERSION = 5
+# 6: as 5, the positions in the order the buffers were laid out from: the model's with model= (the optimizer's may
+# differ from process to process), else the optimizer's.
+_STATE_VERSION = 6
 _T = TypeVar("_T")
 _NORMALIZATIONS = ("mean", "sum")
 # float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
@@ -333,6 +335,12 @@ class GradAccumulator(torch.optim.Optimizer):
         self._micro: _MicroBatch | None = None
         self._published_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._managed_ids = frozenset(id(param) for param in self._managed)
+        # The managed parameters in the order the buffers were laid out from (_build_groups): the model's with model=.
+        self._layout_order: tuple[torch.Tensor, ...] = (
+            self._managed
+            if model_order is None
+            else tuple(sorted(self._managed, key=lambda param: model_order[id(param)]))
+        )
         # The other live accumulators over some of these parameters (usually none): each one's finished gradients
         # are not new gradients for the other.
         self._overlapping: weakref.WeakSet[GradAccumulator] = weakref.WeakSet()
@@ -2132,9 +2140,11 @@ class GradAccumulator(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _positions(self) -> list[list[int]]:
-        """Per buffer, where each of its parameters sits in the optimizer's order (its param_groups, flattened)."""
-        position = {id(param): index for index, param in enumerate(self._managed)}
+    def _positions(self, version: int = _STATE_VERSION) -> list[list[int]]:
+        """Per buffer, where each of its parameters sits in the order the buffers were laid out from (version 6: the
+        model's parameters with model=, else the optimizer's param_groups flattened; version 5: the optimizer's)."""
+        order = self._managed if version < 6 else self._layout_order
+        position = {id(param): index for index, param in enumerate(order)}
         return [[position[id(param)] for param in group.params] for group in self._groups]
 
     def _check_groups_match(self, inner: dict[str, Any]) -> None:
@@ -2249,7 +2259,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if not isinstance(window, dict):
             raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
         version = window.get("version")
-        if version not in (1, 2, 3, 4, 5):
+        if version not in (1, 2, 3, 4, 5, 6):
             raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
 
         def field_error(name: str, expected: str) -> ValueError:
@@ -2333,7 +2343,12 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"state_dict['gafused']['buffers']: expected {len(self._groups)} buffer entries for this "
                 f"accumulator's parameters (the window is open at micro_step {micro_step})"
             )
-        for index, (entry, group, positions) in enumerate(zip(saved, self._groups, self._positions(), strict=True)):
+        expected_positions = self._positions(version)
+        if version >= 6 and self._layout_order is not self._managed:
+            order_name, order_hint = "model's parameter order", ""
+        else:
+            order_name, order_hint = "optimizer's order (its param_groups, flattened)", ", or listed in another order"
+        for index, (entry, group, positions) in enumerate(zip(saved, self._groups, expected_positions, strict=True)):
             where = f"state_dict['gafused']['buffers'][{index}]"
             if not isinstance(entry, dict) or entry.get("numels") != group.buffer.numels:
                 raise ValueError(f"{where}: its 'numels' do not match this accumulator's parameters")
@@ -2343,9 +2358,9 @@ class GradAccumulator(torch.optim.Optimizer):
             if version >= 5 and entry.get("positions") != positions:
                 raise ValueError(
                     f"{where}['positions']: expected {positions}, the positions of this buffer's parameters in the "
-                    f"optimizer's order, got {entry.get('positions')!r}: the window was saved with the parameters in "
-                    "other buffers (a layer cast to another dtype or moved since, say); resume it as it was saved, or "
-                    "load a checkpoint taken between windows"
+                    f"{order_name}, got {entry.get('positions')!r}: the window was saved with the parameters in "
+                    "other buffers (a layer cast to another dtype or moved since, say)"
+                    f"{order_hint}; resume it as it was saved, or load a checkpoint taken between windows"
                 )
             had_grad = entry.get("had_grad")
             if not isinstance(had_grad, list) or len(had_grad) != len(group.params):

@@ -876,12 +876,16 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
 def run_old_layout_checkpoint(rank: int) -> dict[str, bool]:
     """A mid-window checkpoint of version 3 (buffers in the optimizer's order) loaded with model= where the optimizer
     lists the parameters in reverse (the layout is now the model's order): each parameter's part of the window goes
-    with it. The version-3 window is made from this version's by reordering its parts, as version 3 laid them out."""
+    with it. The version-3 window is made from this version's by reordering its parts, as version 3 laid them out.
+    This version's checkpoint also loads where the resumed process's optimizer lists the parameters in the model's
+    order (its positions are in the model's order), and one of version 5 (positions in the optimizer's order) where
+    the optimizer's order is the one it was saved with."""
     import gafused
 
-    def build() -> tuple[torch.nn.Module, gafused.GradAccumulator]:
+    def build(reverse: bool = True) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
         model = _wrap("ddp", rank)
-        inner = torch.optim.SGD(list(model.parameters())[::-1], lr=LR)
+        params = list(model.parameters())
+        inner = torch.optim.SGD(params[::-1] if reverse else params, lr=LR)
         return model, gafused.GradAccumulator(inner, N, bucket_bytes=BUCKET_BYTES, model=model)
 
     model, opt = build()
@@ -906,11 +910,30 @@ def run_old_layout_checkpoint(rank: int) -> dict[str, bool]:
             }
         ],
     }
+    count = len(entry["numels"])
+    window_v5 = {
+        **window,
+        "version": 5,
+        "buffers": [{**entry, "positions": [count - 1 - index for index in range(count)]}],  # the optimizer's order
+    }
     results = {}
-    for name, saved in (("version 4", window), ("version 3, the optimizer's order", window_v3)):
-        _, resumed = build()
+    for name, saved, reverse in (
+        ("this version", window, True),
+        ("this version, the optimizer's order changed", window, False),
+        ("version 5", window_v5, True),
+        ("version 3, the optimizer's order", window_v3, True),
+    ):
+        _, resumed = build(reverse)
         resumed.load_state_dict({**state, "gafused": saved})
         results[name] = resumed.micro_step == 1 and torch.equal(resumed.buffers[0].data, opt.buffers[0].data)
+    _, resumed = build(reverse=False)
+    try:
+        resumed.load_state_dict({**state, "gafused": window_v5})
+        results["version 5, the optimizer's order changed: refused"] = False
+    except ValueError as error:
+        results["version 5, the optimizer's order changed: refused"] = resumed.micro_step == 0 and (
+            "listed in another order" in str(error)
+        )
     return results
 
 

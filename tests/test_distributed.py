@@ -131,10 +131,18 @@ def test_bf16_reduction_is_within_bf16_rounding(ranks: list[dict], truths: dict[
 
 def test_a_checkpoint_in_the_optimizers_order_loads_in_the_models(ranks: list[dict]) -> None:
     """Version 3 laid a model='s buffers out in the optimizer's order: such a mid-window checkpoint, of an optimizer
-    that lists the parameters in reverse, restores each parameter's part of the window (the buffers bitwise)."""
+    that lists the parameters in reverse, restores each parameter's part of the window (the buffers bitwise). This
+    version's checkpoint, whose positions are in the model's order, loads whatever order the resumed optimizer lists
+    the parameters in; one of version 5, whose positions are in the optimizer's order, loads only in that order."""
     for rank in range(cases.WORLD):
         said = ranks[rank]["old layout checkpoint"]
-        assert said == {"version 4": True, "version 3, the optimizer's order": True}, said
+        assert said == {
+            "this version": True,
+            "this version, the optimizer's order changed": True,
+            "version 5": True,
+            "version 3, the optimizer's order": True,
+            "version 5, the optimizer's order changed: refused": True,
+        }, said
 
 
 @pytest.mark.parametrize("loop", ["backward", "step"])
