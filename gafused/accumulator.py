@@ -1510,28 +1510,29 @@ class GradAccumulator(torch.optim.Optimizer):
             if group.published is None or group.published_version is None:
                 continue
             written = _published_source(group)._version != group.published_version
+            held_views = []  # swapped parameters whose p.grad is still their view, in a buffer written since
             for index, param in enumerate(group.params):
                 view, grad = group.published[index], param.grad
                 if id(param) not in swapped or view is None or not group.hooked[index] or grad is None:
                     continue
                 # Added into in place, or out of place (a new p.grad with a graph) under create_graph=True; a new
                 # p.grad without one is a gradient of its own (the swap dropped the finished one, as load_state_dict).
-                if (grad is view and written) or (grad is not view and grad.requires_grad):
-                    raise RuntimeError(
-                        f"{group.names[index]}: its p.grad may be the finished gradient the last window's step handed "
-                        "out with a new gradient added to it: the parameter's tensor was swapped since "
-                        "(torch.utils.swap_tensors, which model.load_state_dict() and model.to() use under "
-                        "torch.__future__.set_swap_module_params_on_conversion(True)), so the hook that releases that "
-                        "gradient before a backward did not run, and "
-                        + (
-                            "it was written in place since"
-                            if grad is view
-                            else "under create_graph=True a new p.grad "
-                            "made from it cannot be told from one made after the swap"
-                        )
-                        + "; nothing changed. Call opt.zero_grad() after step() (or after swapping, before the next "
-                        "backward) and run this micro-batch again"
+                if grad is view and written:
+                    held_views.append(group.names[index])
+                elif grad is not view and grad.requires_grad:
+                    raise _swapped_grad_error(
+                        f"{group.names[index]}: its p.grad may be",
+                        "under create_graph=True a new p.grad made from it cannot be told from one made after the swap",
                     )
+            if held_views:
+                # The views share their buffer's version counter: which of them was written cannot be told.
+                raise _swapped_grad_error(
+                    f"{held_views[0]}: its p.grad may be"
+                    if len(held_views) == 1
+                    else f"{', '.join(held_views)}: the p.grad of one or more of these may be",
+                    "a p.grad still holding its view was written in place since (autograd added into it; its buffer's "
+                    "views share one version counter, so which of them cannot be told)",
+                )
         for index, param in enumerate(self._managed):
             if id(param) in swapped:
                 for table in ("_backward_hooks", "_post_accumulate_grad_hooks"):
@@ -2422,6 +2423,18 @@ def _unmark(param: torch.Tensor, mark: int) -> None:
         marks.pop(mark, None)
         if not marks:
             del vars(param)[_HOOK_MARK]
+
+
+def _swapped_grad_error(subject: str, how: str) -> RuntimeError:
+    """The refusal of ``GradAccumulator._rearm_swapped``: ``subject`` (the parameter or parameters, and "may be"), the
+    finished gradient with a new one added, and ``how`` the new one came to be there."""
+    return RuntimeError(
+        f"{subject} the finished gradient the last window's step handed out with a new gradient added to it: the "
+        "parameter's tensor was swapped since (torch.utils.swap_tensors, which model.load_state_dict() and model.to() "
+        "use under torch.__future__.set_swap_module_params_on_conversion(True)), so the hook that releases that "
+        f"gradient before a backward did not run, and {how}; nothing changed. Call opt.zero_grad() after step() (or "
+        "after swapping, before the next backward) and run this micro-batch again"
+    )
 
 
 def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple[int, ...]) -> bool:

@@ -1283,6 +1283,29 @@ def test_a_finished_gradient_kept_through_a_swap_and_added_into_is_refused(swap_
         window(batches[8:10], swap="to three times")
 
 
+def test_the_swap_refusal_names_every_view_that_may_have_been_added_into(swap_on_conversion):
+    """A finished gradient's views share their buffer's version counter: after a swap and a backward through one layer
+    of two, which view autograd added into cannot be told, so every swapped parameter still holding its view is
+    named, not the first of them alone (which was the other layer's)."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    model = torch.nn.ModuleList([first, second])
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    x = torch.randn(4, 5)
+    (first(x) + second(x)).sum().backward()
+    opt.step()  # no zero_grad(): every p.grad is its finished gradient's view
+    model.to("cpu")
+    second(x).sum().backward()  # autograd adds into the second layer's views only
+    with pytest.raises(RuntimeError) as refused:
+        opt.step()
+    said = str(refused.value)
+    names = [
+        f"param_groups[0]['params'][{index}] (shape {tuple(p.shape)})" for index, p in enumerate(model.parameters())
+    ]
+    assert said.startswith(", ".join(names) + ": the p.grad of one or more of these may be the finished gradient")
+    assert "which of them cannot be told" in said and opt.stepped and opt.micro_step == 0
+
+
 def _micro_step(opt, model, x, y, loop, scaler=None):
     """One micro-batch weighted by its size in either loop; ``scaler``: the step-time loop scales the loss with it
     (``opt.backward`` scales it with the accumulator's own)."""
