@@ -858,16 +858,21 @@ def test_bad_configuration_is_refused(tmp_path: Path, kwargs: dict, error: type,
 def test_reduce_dtype_in_one_process_is_refused_without_training_arguments_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without args= Trainer makes its own TrainingArguments: checked once they exist, at construction (it was
-    refused only when training started, with a message about model=, which Trainer sets)."""
+    """Without args= Trainer makes its own TrainingArguments: gafused makes the same ones first, and refuses before
+    Trainer builds anything (it seeds the global RNG): the refused call leaves the RNG as it was (it was refused
+    only when training started, with a message about model=, which Trainer sets, and later after Trainer's seeding)."""
     monkeypatch.chdir(tmp_path)  # where Trainer's default output_dir would go
+    model = cases.make_model()
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
     with pytest.raises(ValueError, match=r"accumulator_options\['reduce_dtype'\] .* one process"):
         GafusedTrainer(
-            model=cases.make_model(),
+            model=model,
             train_dataset=cases.Sequences(),
             data_collator=cases.collate,
             accumulator_options={"reduce_dtype": torch.bfloat16},
         )
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_a_gradaccumulator_as_the_optimizer_is_refused(tmp_path: Path) -> None:

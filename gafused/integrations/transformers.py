@@ -153,12 +153,19 @@ class GafusedTrainer(transformers.Trainer):
         _check_trainer_internals(transformers.Trainer, _TRAINER_METHODS)
         # Refusals that the arguments alone decide come before Trainer builds anything.
         given = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        if given is None and options.get("reduce_dtype") is not None:
+            # The TrainingArguments Trainer would make, made here: whether there are ranks to reduce across is checked
+            # before Trainer seeds the global RNG and builds its Accelerator.
+            given = transformers.TrainingArguments(output_dir="tmp_trainer")
+            if "args" in kwargs or len(args) <= 1:
+                kwargs["args"] = given
+            else:
+                args = (args[0], given, *args[2:])
         _clipping(given, dict(options))  # refused now if configured twice; read again when training starts
         if given is not None:
             _check_arguments(given)
             _check_reduce_dtype(options, given)
         super().__init__(*args, **kwargs)
-        _check_reduce_dtype(options, self.args)  # the TrainingArguments Trainer made when none were given
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
         self._check_supported()
