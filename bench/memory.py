@@ -185,8 +185,12 @@ class _CudaTracker:
         torch.cuda.reset_peak_memory_stats()
 
     def phase_peaks(self) -> dict[str, int]:
-        self._close_phase()
-        return dict(zip(self._phases, self._peaks, strict=True))
+        # Read inside the block, the open phase's peak so far: only mark() and leaving the block close it.
+        torch.cuda.synchronize()
+        peaks = list(self._peaks)
+        if len(peaks) < len(self._phases):
+            peaks.append(torch.cuda.max_memory_allocated() - self._start)
+        return dict(zip(self._phases, peaks, strict=True))
 
     def peak_after_mark(self) -> int:
         return max(self.phase_peaks().values(), default=0) if self._phases else _no_mark()

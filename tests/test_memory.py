@@ -155,7 +155,8 @@ def test_tracker_takes_a_tensor_of_a_marks_size_for_a_tensor():
 
 def test_gpu_tracker_splits_phases_from_the_allocator_statistics(monkeypatch):
     """The CUDA tracker's phases, on a stand-in for the caching allocator's statistics (no GPU here): each phase's
-    peak is the allocator's peak since that phase's mark (reset there), over what was allocated at the start."""
+    peak is the allocator's peak since that phase's mark (reset there), over what was allocated at the start. Read
+    inside the block, the open phase's peak is the one so far, and the phase stays open."""
 
     class Allocator:
         allocated, peak = 1000, 1000  # 1000 bytes allocated before the block
@@ -177,7 +178,9 @@ def test_gpu_tracker_splits_phases_from_the_allocator_statistics(monkeypatch):
         allocator.take(-500)
         allocator.take(100)
         tracker.mark("first")
-        allocator.take(3000)  # the first phase's peak: 100 + 3000 over the start
+        allocator.take(50)
+        assert tracker.phase_peaks() == {"first": 150}  # read inside the block: the open phase so far...
+        allocator.take(2950)  # ...which goes on: the first phase's peak is 100 + 3000 over the start
         allocator.take(-3000)
         tracker.mark("second")
         allocator.take(200)  # the second phase's: 300
