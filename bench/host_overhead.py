@@ -18,13 +18,18 @@ Rows (``rows()``) measure, per backend that runs on the device:
 - ``fold_``: ``gafused.ops.fold_`` with its gradient check (``ops.check_grads``), the op a wrapper calls per buffer;
 - ``fold_ check=False``: the same without the check: dispatch and backend alone;
 - ``step``: a whole ``GradAccumulator.step()`` in the middle of a window (gather ``p.grad``, check, fold,
-  release the gradients), over a no-op inner optimizer.
+  release the gradients), over a no-op inner optimizer;
+- ``backward; step; zero_grad``: the loop users write, backward included, in the middle of a window: the loss
+  ``cat(params) @ c`` (its graph built untimed before each sample) gives every parameter its gradient from one
+  autograd node, and the hooks fold them bucket by bucket. Its baseline is the row ``loss.backward() (plain)``:
+  the same backward adding into existing ``.grad`` tensors, as plain accumulation's middle micro-batches do; the
+  script prints the ratio of each backend's row to it (``x_plain_backward`` in ``rows()``).
 Two rows of no backend give the part of ``step`` that is Python per parameter, whatever the backend:
 ``read p.grad`` (``[p.grad for p in params]``) and ``release p.grad`` (``p.grad = None`` for each); a third,
 ``check_grads``, the gradient check alone, named by the path it took: ``layout matched`` (one C++ match against the
 layout the buffer last accepted, the usual case) or ``per gradient`` (every gradient checked in Python); after a
 ``per gradient`` row the script prints why the match missed (what torch's guard found different, say).
-On CPU with ``TRITON_INTERPRET=1`` set, the same three rows of backend ``triton-host`` time the Triton backend
+On CPU with ``TRITON_INTERPRET=1`` set, the same four rows of backend ``triton-host`` time the Triton backend
 with its kernel launches skipped: gafused's own host work per call (checks, tables, scalars), without Triton's
 launcher or the interpreter, which a GPU run adds.
 Each row gives the median and 20/80% quantiles in microseconds, the ratio to the baseline's median, and what one
@@ -60,7 +65,11 @@ import torch
 import gafused
 from gafused import FlatGradBuffer, GradAccumulator, ops
 
-__all__ = ["main", "rows"]
+__all__ = ["main", "rows", "PLAIN_BACKWARD", "BACKWARD_LOOP"]
+
+# The rows of the backward loop (``_backward_loop_case``): plain PyTorch's, then gafused's per backend.
+PLAIN_BACKWARD = "loss.backward() (plain)"
+BACKWARD_LOOP = "backward; step; zero_grad"
 
 
 class _NoStep(torch.optim.Optimizer):
@@ -120,6 +129,45 @@ def _layout_miss_reason(buffer: FlatGradBuffer, grads: list[torch.Tensor]) -> st
     return f"the recorded layout does not match: {reason}"
 
 
+def _backward_loop_case(
+    label: str, backend: str | None, numel: int, tensors: int, dtype: torch.dtype, device: torch.device
+) -> tuple[str, str, Callable[[], None], Callable[[], None]]:
+    """A middle micro-step of the loop users write, backward included: plain PyTorch's ``loss.backward()`` adding
+    into ``.grad`` (``backend`` None), or ``opt.backward(loss); opt.step(); opt.zero_grad()`` folding during backward.
+
+    The loss, ``cat(parameters) @ c`` (built untimed before every sample), hands every parameter its gradient from
+    one autograd node, so the difference between the two rows is what each does per gradient: autograd's in-place
+    add into ``.grad``, or gafused's hooks, bucket folds and release.
+    """
+    params = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(tensors)]
+    coefficients = torch.randn(tensors * numel, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    graph: list[torch.Tensor] = []
+
+    def build() -> None:
+        graph[:] = [torch.cat(params) @ coefficients]
+
+    if backend is None:
+        build()
+        graph.pop().backward()  # every .grad exists: later calls add into it, as a middle micro-batch does
+
+        def run() -> None:
+            graph.pop().backward()
+
+        return (PLAIN_BACKWARD, label, run, build)
+    opt = GradAccumulator(_NoStep(params), accumulation_steps=1 << 30, backend=backend)
+
+    def run() -> None:
+        opt.backward(graph.pop())
+        opt.step()
+        opt.zero_grad()
+
+    build()
+    run()  # the first micro-step of the window: later ones are middle micro-steps
+    if label != backend:
+        run = _without_triton_launches(run)
+    return (BACKWARD_LOOP, label, run, build)
+
+
 def rows(
     tensors: int = 1024,
     numel: int = 64,
@@ -144,8 +192,9 @@ def rows(
         (``timing.count_launches`` of one call: CUDA kernels, or leaf compute aten ops on CPU; None when stopped
         before they were counted), ``reps``
         (samples taken) and ``interrupted`` (None, or what ``interrupt.describe`` says of a SIGTERM or Ctrl-C that
-        stopped the sampling after at least two rounds: the rows then hold the rounds taken) and ``note`` (why the
-        layout match missed, on a ``check_grads (per gradient)`` row; else None).
+        stopped the sampling after at least two rounds: the rows then hold the rounds taken), ``note`` (why the
+        layout match missed, on a ``check_grads (per gradient)`` row; else None) and ``x_plain_backward`` (on a
+        ``backward; step; zero_grad`` row, its median over the ``loss.backward() (plain)`` median; else None).
     """
     device = torch.device(device)
     if tensors < 1 or numel < 1:
@@ -195,6 +244,7 @@ def rows(
     check_label = f"check_grads ({'layout matched' if matched else 'per gradient'})"
     cases.append((check_label, "-", lambda: ops.check_grads(checked_buffer, grads), None))
     notes = {} if matched else {check_label: _layout_miss_reason(checked_buffer, grads)}
+    cases.append(_backward_loop_case("-", None, numel, tensors, dtype, device))
     for backend in gafused.available_backends(device):
         label = backend
         if backend == "triton" and device.type == "cpu":
@@ -227,6 +277,7 @@ def rows(
         cases.append(("fold_", label, runs[0], None))
         cases.append(("fold_ check=False", label, runs[1], None))
         cases.append(("step", label, runs[2], hand_over))
+        cases.append(_backward_loop_case(label, backend, numel, tensors, dtype, device))
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     collecting = gc.isenabled()
@@ -296,8 +347,10 @@ def rows(
              "reps": len(times), "interrupted": stopped, "note": notes.get(what)}
         )  # fmt: skip
     baseline = results[0]["median_us"]
+    plain_backward = next(row["median_us"] for row in results if row["what"] == PLAIN_BACKWARD)
     for row in results:
         row["ratio"] = row["median_us"] / baseline
+        row["x_plain_backward"] = row["median_us"] / plain_backward if row["what"] == BACKWARD_LOOP else None
     return results
 
 
@@ -337,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['what']:<{width}} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
             f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f} {'-' if row['launches'] is None else row['launches']:>9}"
         )
+    for row in table:
+        if row["x_plain_backward"] is not None:
+            print(f"{BACKWARD_LOOP} ({row['backend']}): {row['x_plain_backward']:.2f}x {PLAIN_BACKWARD}")
     for row in table:
         if row["note"]:
             print(f"{row['what']}: {row['note']}")

@@ -27,6 +27,15 @@ def test_rows_cover_the_baseline_and_every_cpu_backend():
     measured = {(row["what"], row["backend"]) for row in rows[1:]}
     for backend in ("reference", "foreach"):
         assert {("fold_", backend), ("fold_ check=False", backend), ("step", backend)} <= measured
+        assert (host_overhead.BACKWARD_LOOP, backend) in measured
+    assert (host_overhead.PLAIN_BACKWARD, "-") in measured
+    # The backward loop's rows, and only they, carry their ratio to plain PyTorch's backward.
+    plain = next(row["median_us"] for row in rows if row["what"] == host_overhead.PLAIN_BACKWARD)
+    for row in rows:
+        if row["what"] == host_overhead.BACKWARD_LOOP:
+            assert row["x_plain_backward"] == pytest.approx(row["median_us"] / plain)
+        else:
+            assert row["x_plain_backward"] is None
     assert all(row["median_us"] > 0 and row["tensors"] == 5 for row in rows)
     # What one call launches: on CPU, leaf compute aten ops (torch's CPU foreach add is one add per tensor).
     launches = {(row["what"], row["backend"]): row["launches"] for row in rows}
@@ -77,7 +86,12 @@ def test_triton_rows_skip_only_the_launches():
     kernel = fold._fold_kernel
     rows = host_overhead.rows(tensors=4, numel=3, dtype=torch.bfloat16, reps=3, warmup=1)
     assert fold._fold_kernel is kernel
-    assert {row["what"] for row in rows if row["backend"] == "triton-host"} == {"fold_", "fold_ check=False", "step"}
+    assert {row["what"] for row in rows if row["backend"] == "triton-host"} == {
+        "fold_",
+        "fold_ check=False",
+        "step",
+        host_overhead.BACKWARD_LOOP,
+    }
     assert not any(row["backend"] == "triton" for row in rows)
     folds = []
     skipped = host_overhead._without_triton_launches(lambda: folds.append(fold._fold_kernel))
