@@ -853,8 +853,9 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
 
 
 def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
-    """FSDP2 carries the weight in the loss: a weight a float16 loss cannot hold is refused, and a gradient divide
-    factor set between windows is the one folded with (same data, lr 0: the same finished gradient)."""
+    """FSDP2 carries the weight in the loss: a weight a float16 loss cannot hold is refused, a gradient divide
+    factor set between windows is the one folded with (same data, lr 0: the same finished gradient), and a weight a
+    bfloat16 loss rounds is counted in the window's sum as rounded."""
     import gafused
 
     said: dict[str, str] = {}
@@ -870,6 +871,22 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
         opt.step()
         norms.append(repr(float(opt.grad_norm)))
     said["fsdp norms over divide factors"] = " ".join(norms)
+    # A bfloat16 loss carries the weight 257 as 256: the window's sum counts it as carried, so the finished gradient
+    # is a weighted mean of the gradients (256 g0 + g1) / 257, not (256 g0 + g1) / 258. Every rank sees the same
+    # data; the gradient of sum(W x) is x in every row of W, and SGD with lr 1 moves W by it.
+    from torch.distributed.fsdp import fully_shard
+
+    linear = torch.nn.Linear(4, 2, bias=False)
+    start = linear.weight.detach().clone()
+    fully_shard(linear, mesh=cpu_mesh())
+    opt = gafused.GradAccumulator(torch.optim.SGD(linear.parameters(), lr=1.0), 2, model=linear)
+    inputs = [torch.ones(1, 4), 2 * torch.ones(1, 4)]
+    for x, weight in zip(inputs, [257.0, 1.0], strict=True):
+        opt.backward(linear(x).sum().to(torch.bfloat16), weight=weight)
+        opt.step()
+    moved = start - linear.weight.full_tensor().detach()
+    expected = ((256 * inputs[0] + inputs[1]) / 257).expand(2, 4)
+    said["fsdp bf16 loss weight as carried"] = str(torch.allclose(moved, expected, rtol=1e-6, atol=0))
     return said
 
 

@@ -168,6 +168,84 @@ def test_clipping_and_reported_norm_equal_clip_grad_norm(backend, max_norm, loop
         assert float(opt.grad_norm) > max_norm  # the clipping branch really ran
 
 
+def test_the_norm_of_float32_and_float64_buffers_together_is_taken_in_float64(backend):
+    """A float64 parameter beside a float32 one: the window's norm is float64 (the widest buffer's dtype), exact to
+    float64 rounding, and a float64 gradient beyond float32's range is clipped and stepped, not skipped as inf."""
+    wide = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    narrow = torch.nn.Parameter(torch.zeros(7, dtype=torch.float32))
+    opt = GradAccumulator(torch.optim.SGD([wide, narrow], lr=1e-100), 1, max_grad_norm=1.0, backend=backend)
+    generator = torch.Generator().manual_seed(3)
+    # The float32 buffer's sum of squares is a float32 number: small beside the float64 one, its rounding does not
+    # show in the norm, which a float32 result would round at ~1e-8.
+    wide_grad = torch.randn(5, generator=generator, dtype=torch.float64) * 1e3
+    narrow_grad = torch.randn(7, generator=generator) * 1e-3
+    wide.grad, narrow.grad = wide_grad.clone(), narrow_grad.clone()
+    opt.step()
+    truth = torch.cat([wide_grad, narrow_grad.double()]).norm()
+    assert opt.grad_norm.dtype == torch.float64
+    torch.testing.assert_close(opt.grad_norm, truth, rtol=1e-14, atol=0)
+    wide.grad, narrow.grad = torch.full((5,), 1e100, dtype=torch.float64), torch.ones(7)
+    before = wide.detach().clone()
+    opt.step()
+    assert opt.stepped and opt.skipped_steps == 0
+    torch.testing.assert_close(
+        opt.grad_norm, torch.tensor(math.sqrt(5) * 1e100, dtype=torch.float64), rtol=1e-14, atol=0
+    )
+    coef = 1.0 / (math.sqrt(5) * 1e100)  # the clip factor: max_grad_norm / norm
+    torch.testing.assert_close(wide.detach(), before - 1e-100 * 1e100 * coef, rtol=1e-12, atol=0)
+
+
+def test_the_buckets_sums_of_squares_are_added_in_float64():
+    """Folded during backward, each finished bucket gives its sum of squares in its buffer's dtype (float32 here); the
+    window adds them in float64 before the square root: exactly sqrt(sum of float64(bucket sums)), rounded once to
+    float32. (Added in float32, these 600 sums round to another norm.)"""
+    generator = torch.Generator().manual_seed(4)
+    values = (
+        torch.randn(600, generator=generator) * torch.logspace(-3, 3, 600)[torch.randperm(600, generator=generator)]
+    )
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in values]
+    opt = GradAccumulator(torch.optim.SGD(params, lr=0.0), 1, backend="reference", bucket_bytes=1)
+    assert len(opt.buffers[0].buckets) == len(params)
+    opt.backward(sum((p * v).sum() for p, v in zip(params, values.tolist(), strict=True)))
+    opt.step()
+    bucket_sums = values.double().square().float()  # each one-element bucket's sum of squares, in float32
+    assert float(opt.grad_norm) == float(bucket_sums.double().sum().sqrt().float())
+
+
+def test_a_clip_threshold_equal_to_the_norm_scales_as_clip_grad_norm(backend):
+    """``clip_grad_norm_`` scales by max / (norm + 1e-6) whenever that is below 1, so also when max_grad_norm equals
+    the norm: the finished gradient is the same, bit for bit."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=0.0), 1, max_grad_norm=5.0, backend=backend)
+    param.grad = torch.tensor([3.0, 4.0])
+    opt.step()
+    twin = torch.nn.Parameter(torch.zeros(2))
+    twin.grad = torch.tensor([3.0, 4.0])
+    torch.nn.utils.clip_grad_norm_([twin], 5.0)
+    assert float(opt.grad_norm) == 5.0 and not torch.equal(twin.grad, torch.tensor([3.0, 4.0]))
+    assert torch.equal(param.grad, twin.grad)
+
+
+def test_float32_clipping_scales_by_the_float32_factor_of_the_reported_norm(backend, loop):
+    """The clip factor of a float32 window is ``clip_grad_norm_``'s, computed in float32 from the reported norm, and
+    the finished gradient is the unclipped mean times it, rounded once: bit for bit against an unclipped twin."""
+    model = _model(torch.float32)
+    twin = copy.deepcopy(model)
+    clipped = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.0), 3, max_grad_norm=0.05, backend=backend)
+    unclipped = GradAccumulator(torch.optim.SGD(twin.parameters(), lr=0.0), 3, backend=backend)
+    for window in range(4):
+        for x, y in _data([4, 3, 5], dtype=torch.float32, seed=60 + window):
+            micro_batch(clipped, _loss(model, x, y), loop, weight=len(x))
+            micro_batch(unclipped, _loss(twin, x, y), loop, weight=len(x))
+        assert clipped.stepped and clipped.grad_norm.dtype == torch.float32
+        assert torch.equal(clipped.grad_norm, unclipped.grad_norm) and float(clipped.grad_norm) > 0.05
+        coef = (0.05 / (clipped.grad_norm + 1e-6)).clamp(max=1.0)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad * coef)
+        clipped.zero_grad()
+        unclipped.zero_grad()
+
+
 def test_norm_is_of_the_average_and_independent_of_n(backend, loop):
     norms = []
     for steps in (1, 2, 4):
@@ -1529,6 +1607,43 @@ def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
     opt.backward(_loss(model, x, y), weight=3.0)  # a weight that fits still folds
     opt.step()
     assert opt.stepped
+
+
+def test_a_bad_weight_flagged_in_an_open_window_survives_a_checkpoint(loop):
+    """A weight found bad after it was folded is held as a flag that refuses the window at its end: a checkpoint
+    taken before that end carries the flag, and the resumed window is refused too, its parameters unchanged."""
+
+    def build():
+        model = _model(torch.float32)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+        return model, scaler, GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+
+    model, scaler, opt = build()
+    (x, y), (x2, y2) = _data([3, 4], dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
+    loss = _loss(model, x, y)
+    if loop == "backward":
+        opt.backward(loss, weight=tiny)
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        opt.step(weight=tiny)
+    assert opt.micro_step == 1  # the first of two micro-batches: the window is open, with the flag
+    state = opt.state_dict()
+    resumed_model, resumed_scaler, resumed = build()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed_scaler.load_state_dict(scaler.state_dict())
+    resumed.load_state_dict(state)
+    before = [p.detach().clone() for p in resumed_model.parameters()]
+    with pytest.raises(ValueError, match="divided by the loss scale"):
+        loss = _loss(resumed_model, x2, y2)
+        if loop == "backward":
+            resumed.backward(loss, weight=3.0)
+            resumed.step()
+        else:
+            resumed_scaler.scale(loss).backward()
+            resumed.step(weight=3.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed_model.parameters(), strict=True))
 
 
 def test_cast_overflow_check_ignores_the_cast_copys_alignment_padding(monkeypatch):

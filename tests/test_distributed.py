@@ -311,6 +311,7 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["fsdp fp16 loss weight micro_step"] == "0"
         norms = said["fsdp norms over divide factors"].split()
         assert len(norms) == 3 and len(set(norms)) == 1, norms  # the factor is undone whatever it is
+        assert said["fsdp bf16 loss weight as carried"] == "True"
         assert said["two accumulators equal one"] == "True"
         assert "4 parameter(s) of the DDP model" in said["plain second optimizer"]
         assert "e.g. 2.weight" in said["plain second optimizer"]

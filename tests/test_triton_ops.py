@@ -293,6 +293,19 @@ def test_scale_rounds_bfloat16_to_nearest_even(candidate):
     assert torch.equal(out[: values.numel()], values.to(torch.bfloat16))
 
 
+def test_scale_to_bfloat16_keeps_every_nan_a_nan(candidate):
+    """A NaN whose payload's low bits are all ones would round into the exponent (0x7FFFFFFF + 0x7FFF carries into
+    the sign, -0.0) or to infinity (0x7F800001 rounds down to 0x7F80): every NaN must store as a bfloat16 NaN."""
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, -0x007FFFFF, 0x7FC00000], dtype=torch.int32)  # -1: 0xFFFFFFFF
+    values = bits.view(torch.float32).to(DEVICE)
+    assert values.isnan().all()
+    buffer = FlatGradBuffer([torch.empty(values.numel(), device=DEVICE)])
+    buffer.data[: values.numel()] = values
+    out = torch.empty(buffer.numel, dtype=torch.bfloat16, device=DEVICE)
+    ops.scale_(buffer, 1.0, out=out, backend=candidate)
+    assert out[: values.numel()].isnan().all(), out[: values.numel()].float().tolist()
+
+
 def _count_launches(monkeypatch) -> list[str]:
     """Record the name of every Triton kernel launched: every launch is ``kernel[grid](...)``, so at ``[grid]``,
     which every Triton release routes through the kernel's class."""
