@@ -1384,16 +1384,17 @@ def test_the_swap_refusal_names_every_view_that_may_have_been_added_into(swap_on
     assert "which of them cannot be told" in said and opt.stepped and opt.micro_step == 0
 
 
-def _micro_step(opt, model, x, y, loop, scaler=None):
-    """One micro-batch weighted by its size in either loop; ``scaler``: the step-time loop scales the loss with it
-    (``opt.backward`` scales it with the accumulator's own)."""
+def _micro_step(opt, model, x, y, loop, scaler=None, weight=None):
+    """One micro-batch weighted by ``weight`` (default: its size) in either loop; ``scaler``: the step-time loop
+    scales the loss with it (``opt.backward`` scales it with the accumulator's own)."""
+    weight = len(x) if weight is None else weight
     if loop == "backward":
-        opt.backward(_loss(model, x, y), weight=len(x))
+        opt.backward(_loss(model, x, y), weight=weight)
         opt.step()
     else:
         loss = _loss(model, x, y)
         (loss if scaler is None else scaler.scale(loss)).backward()
-        opt.step(weight=len(x))
+        opt.step(weight=weight)
     opt.zero_grad()
 
 
@@ -1595,13 +1596,7 @@ def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
     x, y = _data([3], dtype=torch.float32)[0]
     tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
     with pytest.raises(ValueError, match="divided by the loss scale"):
-        loss = _loss(model, x, y)
-        if loop == "backward":
-            opt.backward(loss, weight=tiny)
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            opt.step(weight=tiny)
+        _micro_step(opt, model, x, y, loop, scaler, weight=tiny)
     assert opt.micro_step == 0 and not opt.stepped and scaler.get_scale() == 2.0**20
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     opt.backward(_loss(model, x, y), weight=3.0)  # a weight that fits still folds
@@ -1621,13 +1616,7 @@ def test_a_bad_weight_flagged_in_an_open_window_survives_a_checkpoint(loop):
     model, scaler, opt = build()
     (x, y), (x2, y2) = _data([3, 4], dtype=torch.float32)
     tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
-    loss = _loss(model, x, y)
-    if loop == "backward":
-        opt.backward(loss, weight=tiny)
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        opt.step(weight=tiny)
+    _micro_step(opt, model, x, y, loop, scaler, weight=tiny)
     assert opt.micro_step == 1  # the first of two micro-batches: the window is open, with the flag
     state = opt.state_dict()
     resumed_model, resumed_scaler, resumed = build()
@@ -1636,13 +1625,7 @@ def test_a_bad_weight_flagged_in_an_open_window_survives_a_checkpoint(loop):
     resumed.load_state_dict(state)
     before = [p.detach().clone() for p in resumed_model.parameters()]
     with pytest.raises(ValueError, match="divided by the loss scale"):
-        loss = _loss(resumed_model, x2, y2)
-        if loop == "backward":
-            resumed.backward(loss, weight=3.0)
-            resumed.step()
-        else:
-            resumed_scaler.scale(loss).backward()
-            resumed.step(weight=3.0)
+        _micro_step(resumed, resumed_model, x2, y2, loop, resumed_scaler)
     assert all(torch.equal(a, b) for a, b in zip(before, resumed_model.parameters(), strict=True))
 
 
