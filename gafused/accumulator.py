@@ -1064,13 +1064,15 @@ class GradAccumulator(torch.optim.Optimizer):
             sums = self._reduced_window_sums(-1 if refusal is not None else self._micro_step)
             if refusal is not None:
                 raise refusal
-            count, squares = sums[2:4].tolist()
+            count, squares, code, code_squares = sums[2:6].tolist()
             if squares * self._sync.world_size != count * count:
                 raise RuntimeError(
                     f"flush(): the ranks are at different micro-steps (this rank: {self._micro_step}), or another "
                     "rank refused flush() (its error says why); nothing changed. Every rank must run the same "
                     "number of micro-batches before flush()"
                 )
+            if code_squares * self._sync.world_size != code * code:
+                raise RuntimeError(self._settings_differ("flush()") + "; nothing changed")
             if count == 0:
                 self._stepped = False
                 return False
@@ -1383,15 +1385,22 @@ class GradAccumulator(torch.optim.Optimizer):
             )
 
     def _reduced_window_sums(self, count: int) -> torch.Tensor:
-        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, then a had-gradient flag per
-        parameter and, where gafused reduces buckets (DDP), a folded-late flag per bucket) over the ranks. Buckets
-        are cut from each rank's own elements, so under FSDP2 (uneven shards) their number differs across ranks:
-        the flags then stop at the parameters, whose number every rank shares."""
+        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, the settings' code, code
+        squared, then a had-gradient flag per parameter and, where gafused reduces buckets (DDP), a folded-late flag
+        per bucket) over the ranks. Buckets are cut from each rank's own elements, so under FSDP2 (uneven shards)
+        their number differs across ranks: the flags then stop at the parameters, whose number every rank shares.
+        The code is of the settings a window's end uses that setters change (``max_grad_norm``, ``normalization``):
+        the check at construction cannot see them changed on some ranks only."""
         flags = [float(had) for group in self._groups for had in group.had_grad]
         if self._sync.reduces_buckets:
             flags += [float(key in self._late) for key in self._reduce_order]
+        code = distributed.settings_code((self.max_grad_norm, self.normalization))
         # Pinned and non-blocking on a GPU: a copy from pageable memory would wait for the device (a host sync).
-        host = torch.tensor([0.0, 0.0, 0.0, 0.0, *flags], dtype=torch.float64, pin_memory=self._home.type == "cuda")
+        host = torch.tensor(
+            [0.0, 0.0, 0.0, 0.0, code, code * code, *flags],
+            dtype=torch.float64,
+            pin_memory=self._home.type == "cuda",
+        )
         local = host.to(self._home, non_blocking=True)
         if count > 0:
             local[0] = self._weight_sum
@@ -1401,6 +1410,14 @@ class GradAccumulator(torch.optim.Optimizer):
         local[3] = count * count
         return self._sync.reduce_window(local)
 
+    def _settings_differ(self, call: str) -> str:
+        """What a window's end across ranks says when the ranks' ``max_grad_norm`` or ``normalization`` differ."""
+        return (
+            f"{call}: the ranks end this window with different max_grad_norm or normalization (this rank: "
+            f"max_grad_norm={self.max_grad_norm!r}, normalization={self.normalization!r}): changed through a setter on "
+            "some ranks only, they would clip or scale the replicas apart; set them alike on every rank"
+        )
+
     def _finish_across_ranks(self, sums: torch.Tensor) -> None:
         """End a window whose micro-batches are folded: sum the buckets over the ranks (DDP), scale them by the
         global weight sum and measure them, then finish as one process would."""
@@ -1409,9 +1426,10 @@ class GradAccumulator(torch.optim.Optimizer):
         self._sync.window_ended()
         self._weight_sum = sums[0]
         self._bad_weight = sums[1] > 0
-        self._rank_flags = sums[4:]
-        # Equal counts on every rank exactly when sum(c^2) * ranks == (sum c)^2.
-        self._rank_mismatch = sums[3] * self._sync.world_size != sums[2] * sums[2]
+        self._rank_flags = sums[6:]
+        # Equal counts (settings' codes) on every rank exactly when sum(c^2) * ranks == (sum c)^2.
+        ranks = self._sync.world_size
+        self._rank_mismatch = torch.stack([sums[3] * ranks != sums[2] * sums[2], sums[5] * ranks != sums[4] * sums[4]])
         scale = self._window_scale(self._weight_sum)
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
         results = []
@@ -1753,23 +1771,26 @@ class GradAccumulator(torch.optim.Optimizer):
         norm, found_inf = self._measure(results)
         coef = self._clip_coef(norm)
         bad_weight = self._bad_weight if self._bad_weight is not None else torch.zeros_like(found_inf)
-        mismatch = self._rank_mismatch if self._rank_mismatch is not None else torch.zeros_like(found_inf)
+        # (micro-batch counts differ, settings differ) across ranks
+        mismatch = self._rank_mismatch if self._rank_mismatch is not None else found_inf.new_zeros(2)
         self._rank_mismatch = None
-        checks = torch.stack([found_inf, bad_weight, mismatch, self._may_overflow(norm, coef)])
+        checks = torch.cat([torch.stack([found_inf, bad_weight, self._may_overflow(norm, coef)]), mismatch])
         rank_flags, self._rank_flags = self._rank_flags, None
         if rank_flags is not None:  # the same one sync also reads which parameters and buckets the ranks touched
             checks = torch.cat([checks.to(torch.float64), rank_flags])
         values = checks.tolist()
-        nonfinite, bad, disagree, may_overflow = (bool(value) for value in values[:4])
-        if disagree:
+        nonfinite, bad, may_overflow, counts_differ, settings_differ = (bool(value) for value in values[:5])
+        if counts_differ or settings_differ:
             micro_step = self._micro_step  # before the discard resets it
             self._discard_window()
-            raise RuntimeError(
-                f"step(): the ranks ended a window at different micro-steps (this rank: {micro_step}); "
-                "every rank must run the same number of micro-batches per window; the window was discarded"
-            )
+            if counts_differ:
+                raise RuntimeError(
+                    f"step(): the ranks ended a window at different micro-steps (this rank: {micro_step}); "
+                    "every rank must run the same number of micro-batches per window; the window was discarded"
+                )
+            raise RuntimeError(self._settings_differ("step()") + "; the window was discarded")
         if rank_flags is not None:
-            late = self._adopt_rank_flags(values[4:])
+            late = self._adopt_rank_flags(values[5:])
             if late:  # rare (see _fold_late): a second sync, for the norm of the completed buckets
                 norm, found_inf = self._measure(self._reduce_late(results, late))
                 coef = self._clip_coef(norm)

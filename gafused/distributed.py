@@ -188,6 +188,13 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
+def settings_code(value: Any) -> int:
+    """A 12-bit code of ``repr(value)``, the same in every process: summed, and squared and summed, over the ranks in
+    float64, both sums stay exact integers up to 2^14 ranks, so ``ranks * sum(c^2) == sum(c)^2`` tells whether every
+    rank's code is the same (up to a collision of two codes: 1 in 4096)."""
+    return _digest(value) % 4096
+
+
 def _short(value: Any, limit: int = 160) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

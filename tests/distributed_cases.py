@@ -35,10 +35,10 @@ BUCKET_BYTES = 256  # several buckets on a 6-parameter model
 
 
 def window_sums_bytes(params: int, buckets: int) -> int:
-    """The float64 all-reduce that ends a window: weight sum, bad-weight flag, micro-step count and its square,
-    then one had-gradient flag per parameter and, where gafused reduces buckets (DDP; pass 0 for FSDP2), one
-    folded-late flag per bucket."""
-    return 8 * (4 + params + buckets)
+    """The float64 all-reduce that ends a window: weight sum, bad-weight flag, micro-step count and its square, the
+    settings' code and its square, then one had-gradient flag per parameter and, where gafused reduces buckets (DDP;
+    pass 0 for FSDP2), one folded-late flag per bucket."""
+    return 8 * (6 + params + buckets)
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -664,6 +664,27 @@ def _misuse(rank: int) -> dict[str, str]:
     said["flush with a backward() awaiting step() micro_step"] = str(opt.micro_step)
     if rank == 1:
         opt.step()  # ends the micro-batch awaiting it (zero_grad() refuses a window's later micro-batch)
+    del opt
+    gc.collect()
+    # max_grad_norm changed on rank 1 alone mid-window: at the window's end every rank raises, flush() changing
+    # nothing, a step() discarding the window; set alike again, the next window steps.
+    opt = gafused.GradAccumulator(torch.optim.SGD(ddp.parameters(), lr=LR), 2, model=ddp, max_grad_norm=MAX_NORM)
+
+    def micro_step(opt: gafused.GradAccumulator) -> None:
+        opt.backward(token_losses(ddp, x, y).mean(), weight=x.shape[0])
+        opt.step()
+
+    micro_step(opt)
+    if rank == 1:
+        opt.max_grad_norm = 2 * MAX_NORM
+    said["flush with settings apart"] = _said(RuntimeError, opt.flush)
+    said["flush with settings apart micro_step"] = str(opt.micro_step)
+    said["window end with settings apart"] = _said(RuntimeError, micro_step, opt)
+    said["window end with settings apart micro_step"] = str(opt.micro_step)
+    opt.max_grad_norm = MAX_NORM
+    micro_step(opt)
+    micro_step(opt)
+    said["settings alike again"] = str(opt.stepped)
     del opt
     gc.collect()
     # A mid-window checkpoint holds this rank's part: loading another rank's is refused.

@@ -305,6 +305,13 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         refused = said["flush with a backward() awaiting step()"]
         assert ("without step()" if rank == 1 else "another rank refused flush()") in refused, refused
         assert said["flush with a backward() awaiting step() micro_step"] == "1"
+        for call in ("flush with settings apart", "window end with settings apart"):
+            assert "different max_grad_norm or normalization" in said[call], said[call]
+            assert f"max_grad_norm={cases.MAX_NORM * (rank + 1)!r}" in said[call], said[call]
+        assert "nothing changed" in said["flush with settings apart"]
+        assert "window was discarded" in said["window end with settings apart"]
+        assert said["flush with settings apart micro_step"] == "1"
+        assert said["window end with settings apart micro_step"] == "0" and said["settings alike again"] == "True"
         assert said["checkpoint rank"] == str(rank)
         assert "['rank']" in said["other rank's checkpoint"] and "each rank's own" in said["other rank's checkpoint"]
         assert "float16" in said["fsdp fp16 loss weight"] and "loss.float()" in said["fsdp fp16 loss weight"]
