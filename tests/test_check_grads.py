@@ -126,6 +126,20 @@ def test_channels_last_gradients_come_back_in_memory_order_on_both_paths():
     assert torch.equal(reordered[2], checked[2]) and reordered[2].data_ptr() != row_major.data_ptr()
 
 
+@pytest.mark.parametrize("backend", ["reference", "foreach"])
+def test_row_major_gradients_of_a_channels_last_segment_are_reordered_every_time(backend):
+    """A row-major gradient of a channels_last segment is copied into the segment's memory order: a list that needed
+    such a copy is not recorded as accepted as given, so the next list like it is reordered again, not folded as it
+    lies. Three folds against their float64 sum."""
+    buffer = FlatGradBuffer([torch.empty(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)])
+    generator = torch.Generator().manual_seed(5)
+    grads = [torch.randn(2, 3, 2, 2, generator=generator) for _ in range(3)]
+    for index, grad in enumerate(grads):
+        ops.fold_(buffer, [grad], 1.0, first=index == 0, backend=backend)
+    truth = sum(grad.double() for grad in grads)
+    torch.testing.assert_close(buffer.view(0).double(), truth, rtol=1e-6, atol=1e-6)
+
+
 def test_tensor_subclasses_are_checked_each_time():
     buffer = _buffer()
     grads = [torch.nn.Parameter(grad) for grad in _grads(buffer, 1)]

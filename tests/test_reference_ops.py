@@ -201,6 +201,53 @@ def test_layout_alignment_offsets_and_views():
     assert wide.offsets == [0, 8]
 
 
+def test_buckets_are_views_of_the_buffer_with_their_own_indices():
+    """A bucket is a buffer of its own over a slice of the parent's memory: its segments, views and permuted (memory
+    order other than row-major) segments are counted from the bucket's first segment, and its views are the
+    parent's views of the same segments (the slice's storage offset included)."""
+    params = [
+        torch.empty(2, 3, 2, 2).contiguous(memory_format=torch.channels_last),  # permuted
+        torch.empty(4, 4),
+        torch.empty(3, 2, 1, 2).contiguous(memory_format=torch.channels_last),  # permuted
+        torch.empty(5),
+    ]
+    buffer = FlatGradBuffer(params, bucket_bytes=64)
+    assert len(buffer.buckets) > 2 and buffer.permuted == {0, 2}
+    for bucket, indices in zip(buffer.buckets, buffer.bucket_ranges, strict=True):
+        assert bucket.permuted == {index - indices.start for index in buffer.permuted if index in indices}
+        views = bucket.views()
+        for local, index in enumerate(indices):
+            parent = buffer.view(index)
+            for view in (bucket.view(local), views[local]):
+                assert view.data_ptr() == parent.data_ptr() and view.stride() == parent.stride()
+        # The bucket's memory runs to the next bucket's first segment: its trailing alignment padding is its own.
+        end = buffer.offsets[indices.stop] if indices.stop < len(buffer) else buffer.numel
+        assert bucket.numel == end - buffer.offsets[indices.start] and bucket.data.numel() == bucket.numel
+
+
+def test_views_refuse_a_strided_source():
+    """``view(i, data)`` and ``views(data)`` read ``data`` as the buffer's flat layout: a strided tensor with the
+    right number of elements is not one (its elements would be read from the wrong places)."""
+    buffer = FlatGradBuffer([torch.empty(3), torch.empty(2, 2)])
+    strided = torch.zeros(2 * buffer.numel)[::2]
+    for call in (lambda: buffer.view(0, strided), lambda: buffer.views(strided)):
+        with pytest.raises(ValueError, match="must be flat and contiguous"):
+            call()
+
+
+@pytest.mark.parametrize(
+    ("offsets", "numels", "numel"),
+    [([0, 3], [4, 4], 8), ([0, 0], [1, 1], 2), ([0, 4], [4, 5], 8), ([-1], [1], 2)],
+    ids=["overlap-by-one", "same-start", "outside", "negative"],
+)
+def test_check_layout_refuses_overlapping_or_outside_segments(offsets, numels, numel):
+    from gafused.buffer import check_layout
+
+    with pytest.raises(ValueError, match="segment"):
+        check_layout(offsets, numels, numel)
+    check_layout([0, 4], [4, 4], 8)  # touching is fine
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

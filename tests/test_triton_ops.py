@@ -415,6 +415,20 @@ def test_stage_two_adds_many_partials_without_drift(per_segment):
 
 
 @needs_triton
+def test_block_tables_hold_offsets_past_2_31_and_the_offsets_true_alignment():
+    """The kernels read segment offsets from the block table: past 2^31 elements they must stay int64 (an int32 table
+    wraps to negative offsets), and the alignment hint must divide every offset (a wider one would let a GPU load
+    misaligned vectors). Built on the CPU; no buffer of that size is allocated."""
+    table = _layout._block_table(torch.device("cpu"), 4, 2**31 + 32, (0, 2**31 + 16), (16, 16))
+    assert table.segment_offset.dtype == torch.int64 and table.segment_offset.tolist() == [0, 2**31 + 16]
+    assert table.block_start.dtype == table.block_segment.dtype == table.segment_numel.dtype == torch.int64
+    assert table.offset_align == 16
+    for offsets, align in [((0, 3), 1), ((0, 6), 2), ((4, 12), 4), ((0, 8, 24), 8), ((0,), 16)]:
+        table = _layout._block_table(torch.device("cpu"), 4, 64, offsets, (1,) * len(offsets))
+        assert table.offset_align == align, (offsets, table.offset_align)
+
+
+@needs_triton
 def test_layout_outside_acc_is_rejected():
     from gafused.triton_backend import sum_of_squares
 
