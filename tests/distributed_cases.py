@@ -884,10 +884,17 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=0.0), 1, model=fsdp)
     said["fsdp fp16 loss weight"] = _said(ValueError, opt.backward, token_losses(fsdp, x, y).mean().half(), weight=1e5)
     said["fsdp fp16 loss weight micro_step"] = str(opt.micro_step)
+    from torch.distributed.fsdp import FSDPModule
+
     norms = []
     for factor in (None, 1.0, float(WORLD) * 4):
         if factor is not None:
-            fsdp.set_gradient_divide_factor(factor)
+            # Each fully_shard module divides its own parameters' gradients: the root holds none of them here. gloo
+            # has no pre-multiplied sum, so the factor is applied after a plain sum.
+            for module in fsdp.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(factor)
+                    module.set_force_sum_reduction_for_comms(True)
         opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
         opt.step()
         norms.append(repr(float(opt.grad_norm)))

@@ -494,23 +494,30 @@ def test_check_model_names_dropout_modules_and_functional_rates():
         torch.nn.Dropout(0.1),
         torch.nn.Dropout(0.0),  # inactive: not reported
         torch.nn.MultiheadAttention(4, 2, dropout=0.2),  # functional dropout, held as a float rate
+        torch.nn.AlphaDropout(0.3),
+        torch.nn.FeatureAlphaDropout(0.4),
+        torch.nn.Dropout2d(0.5),
     )
     findings = check_model(model, warn=False)
     assert len(findings) == 1
     assert "1 (p=0.1)" in findings[0] and "3 (dropout=0.2)" in findings[0] and "2 (" not in findings[0]
-    assert "2 place(s)" in findings[0]
+    assert "4 (p=0.3)" in findings[0] and "5 (p=0.4)" in findings[0] and "6 (p=0.5)" in findings[0]
+    assert "5 place(s)" in findings[0]
 
 
 def test_check_model_reads_only_float_rates_as_functional_dropout():
     module = torch.nn.Linear(4, 4)
-    module.num_dropout_layers = 2  # a count named like a rate
+    module.num_dropout_layers = 1  # a count named like a rate (1, as an int, is no rate either)
     module.dropout_seed = 1234  # a seed
+    module.use_dropout = True  # a switch (bool is an int)
     module.dropout_scale = 2.5  # a float, but no probability
     module.attention_dropout = 0.0  # inactive
     assert check_model(module, warn=False) == []
     module.attention_dropout = 0.25
     findings = check_model(module, warn=False)
     assert len(findings) == 1 and "<root> (attention_dropout=0.25)" in findings[0] and "1 place(s)" in findings[0]
+    module.attention_dropout = 1.0  # every value dropped: still a rate
+    assert "<root> (attention_dropout=1)" in check_model(module, warn=False)[0]
 
 
 def test_check_model_on_a_transformer():
