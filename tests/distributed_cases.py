@@ -858,6 +858,14 @@ def _ddp_split_cases(rank: int) -> dict[str, str]:
     sgd = torch.optim.SGD(module.parameters(), lr=LR)
     said["accumulating params ddp ignores"] = _said(ValueError, gafused.GradAccumulator, sgd, N, model=ignoring)
     said["ddp sync after refusing them"] = str(ignoring.require_backward_grad_sync)
+    # A parameter of the wrapped module itself, which DDP names ".weight" in its ignore list (f"{prefix}.{name}").
+    root = torch.nn.Linear(3, 2)
+    root._ddp_params_and_buffers_to_ignore = [".weight"]
+    root_ddp = torch.nn.parallel.DistributedDataParallel(root)
+    sgd = torch.optim.SGD(root.parameters(), lr=LR)
+    said["accumulating a root parameter ddp ignores"] = _said(
+        ValueError, gafused.GradAccumulator, sgd, N, model=root_ddp
+    )
 
     hooked = _wrap("ddp", rank)  # a communication hook, which gafused's own reduction bypasses
     with warnings.catch_warnings(record=True) as caught:

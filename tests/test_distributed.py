@@ -328,6 +328,8 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         refused = said["accumulating params ddp ignores"]
         assert "parameter 4 of the optimizer (4.weight)" in refused and "DDP ignores" in refused, refused
         assert said["ddp sync after refusing them"] == "True"
+        refused = said["accumulating a root parameter ddp ignores"]
+        assert "DDP ignores" in refused and "(weight)" in refused, refused
         assert "static_graph=False" in said["static graph"]
         assert said["static graph sync"] == "True"
         assert "_counting_allreduce_hook" in said["comm hook"] and "will not run" in said["comm hook"]
