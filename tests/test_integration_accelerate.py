@@ -784,6 +784,19 @@ def test_skipped_window_does_not_step_the_scheduler(fresh_accelerate) -> None:
     assert scheduler.scheduler.last_epoch == 1  # the second window only
 
 
+def test_a_step_inside_a_window_is_no_skipped_step(fresh_accelerate) -> None:
+    """``accelerator.optimizer_step_was_skipped`` (which Accelerate's scheduler wrapper reads too) is False after a
+    micro-batch's step inside a window, as with plain Accelerate: the step folded, and only a window's end steps."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.step_was_skipped is False and accelerator.optimizer_step_was_skipped is False
+
+
 def test_open_window_of_one_process_is_refused_across_processes(fresh_accelerate) -> None:
     """Accelerate saves optimizer.bin from the main process only: under DDP, loading its open window into every
     process would give them rank 0's part; without the per-process window file it is refused."""
@@ -804,6 +817,15 @@ def test_open_window_of_one_process_is_refused_across_processes(fresh_accelerate
     with pytest.raises(ValueError, match="different checkpoints"):
         other.load_state_dict(state)
     assert other.micro_step == 0
+    # A checkpoint between windows holds no window of any process: it loads without the window file.
+    with accelerator.accumulate(model):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+        optimizer.step()
+    assert optimizer.stepped
+    between = optimizer.state_dict()
+    assert between["gafused"]["micro_step"] == 0
+    other.load_state_dict(between)
+    assert other.micro_step == 0 and other.state_dict()["param_groups"] == between["param_groups"]
 
 
 def test_a_plain_accelerate_checkpoint_resumes_with_an_empty_window(fresh_accelerate, tmp_path) -> None:
