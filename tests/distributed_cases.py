@@ -133,18 +133,22 @@ def _counting_allreduce_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP check
     return dist.all_reduce(tensor.div_(WORLD), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _wrap(kind: str, rank: int, bucket_view: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _wrap(
+    kind: str, rank: int, bucket_view: bool = False, dtype: torch.dtype = torch.float32, mp_policy: Any = None
+) -> torch.nn.Module:
+    """The model under DDP or FSDP2 (every Linear sharded on its own; ``mp_policy``: FSDP2's MixedPrecisionPolicy)."""
     model = make_model(dtype)
     if kind == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
         ddp.register_comm_hook(None, _counting_allreduce_hook)
         return ddp
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=cpu_mesh())
-    return fully_shard(model, mesh=cpu_mesh())
+            fully_shard(layer, mesh=cpu_mesh(), **policy)
+    return fully_shard(model, mesh=cpu_mesh(), **policy)
 
 
 def cpu_mesh() -> Any:
@@ -727,10 +731,14 @@ def _fsdp_sync_off_cases(rank: int) -> dict[str, str]:
     said["fsdp sync off micro_step"] = str(opt.micro_step)
     del opt
 
-    def window(loop: str, dropped_first: bool) -> tuple[list[torch.Tensor], float]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def window(loop: str, dropped_first: bool, mixed: bool = False) -> tuple[list[torch.Tensor], float]:
         """A window of 3 with FSDP's sync off but for the last backward (the step loop unweighted), after a first
-        micro-batch dropped by zero_grad() between its backward and step(), or not."""
-        fsdp = _wrap("fsdp", rank)
+        micro-batch dropped by zero_grad() between its backward and step(), or not. ``mixed``: bf16 parameters in
+        forward and backward, fp32 reductions, so FSDP keeps the unsynchronized gradients apart from ``.grad``."""
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+        fsdp = _wrap("fsdp", rank, mp_policy=policy)
         opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), 3, model=fsdp)
 
         def backward(micro: int) -> None:
@@ -755,11 +763,11 @@ def _fsdp_sync_off_cases(rank: int) -> dict[str, str]:
         assert opt.stepped
         return [_full(param) for param in fsdp.parameters()], float(opt.grad_norm)
 
-    for loop in ("backward", "step"):
-        params, norm = window(loop, dropped_first=True)
-        clean_params, clean_norm = window(loop, dropped_first=False)
+    for loop, mixed in (("backward", False), ("step", False), ("backward", True)):
+        params, norm = window(loop, dropped_first=True, mixed=mixed)
+        clean_params, clean_norm = window(loop, dropped_first=False, mixed=mixed)
         equal = norm == clean_norm and all(torch.equal(a, b) for a, b in zip(params, clean_params, strict=True))
-        said[f"fsdp sync off zero_grad first ({loop} loop)"] = str(equal)
+        said[f"fsdp sync off zero_grad first ({loop} loop{', bf16 parameters' if mixed else ''})"] = str(equal)
     return said
 
 

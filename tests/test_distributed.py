@@ -338,8 +338,10 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "FSDP holds" in refused and "end_window=True" in refused, refused  # on every rank
         assert "already folded" in said["fsdp sync off zero_grad later"]
         assert said["fsdp sync off micro_step"] == "2"  # the refusals changed nothing
+        # It left FSDP too, also FSDP's separate unsharded gradient under bf16 parameters.
+        assert said["fsdp sync off zero_grad first (backward loop, bf16 parameters)"] == "True"
         for loop in ("backward", "step"):
-            assert said[f"fsdp sync off zero_grad first ({loop} loop)"] == "True", loop  # it left FSDP too
+            assert said[f"fsdp sync off zero_grad first ({loop} loop)"] == "True", loop
             refused = said[f"fsdp sync off step twice ({loop} loop)"]
             assert "no parameter of the accumulator received a gradient" in refused, (loop, refused)
             refused = said[f"fsdp sync off zero_grad later ({loop} loop)"]
