@@ -176,6 +176,17 @@ def test_gradient_shapes_may_change_between_calls():
         assert torch.equal(candidate.data, expected.data)
 
 
+def test_cached_views_follow_a_buffer_whose_storage_was_replaced():
+    """The backend keeps views of a buffer between calls: after ``data.set_()`` gives the buffer other memory (the same
+    tensor object), the next fold must reach the new memory, not the old."""
+    buffer = FlatGradBuffer([torch.zeros(3), torch.zeros(5)])
+    grads = [torch.ones(3), torch.ones(5)]
+    ops.fold_(buffer, grads, 1.0, first=True, backend="foreach")
+    buffer.data.set_(torch.zeros(buffer.numel))
+    ops.fold_(buffer, grads, 2.0, first=True, backend="foreach")
+    assert torch.equal(buffer.view(0), torch.full((3,), 2.0)) and torch.equal(buffer.view(1), torch.full((5,), 2.0))
+
+
 def test_cached_views_do_not_keep_a_buffer_alive():
     buffer = FlatGradBuffer([torch.empty(5), torch.empty(3)])
     ops.scale_(buffer, 0.5, backend="foreach")
