@@ -60,7 +60,7 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # 4: as 3, and with model= the buffers laid out in the model's parameter order (before: the optimizer's, as without).
 # 5: as 4, and each buffer's parameters by their position in the optimizer's order ("positions"), checked on loading.
 # 6: as 5, the positions in the order the buffers were laid out from: the model's with model= (the optimizer's may
-# differ from process to process), else the optimizer's.
+# differ from process to process), else the optimizer's; which one, in "layout" ("model" or "optimizer").
 _STATE_VERSION = 6
 _T = TypeVar("_T")
 _NORMALIZATIONS = ("mean", "sum")
@@ -336,6 +336,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._published_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._managed_ids = frozenset(id(param) for param in self._managed)
         # The managed parameters in the order the buffers were laid out from (_build_groups): the model's with model=.
+        self._layout_kind = "optimizer" if model_order is None else "model"
         self._layout_order: tuple[torch.Tensor, ...] = (
             self._managed
             if model_order is None
@@ -2050,6 +2051,7 @@ class GradAccumulator(torch.optim.Optimizer):
             "window_lrs": None if self._window_lrs is None else list(self._window_lrs),
             "world_size": self._sync.world_size,
             "rank": self._sync.rank,
+            "layout": self._layout_kind,
             "buffers": [],
         }
         for group, positions in zip(self._groups, self._positions(), strict=True):
@@ -2365,8 +2367,17 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"state_dict['gafused']['buffers']: expected {len(self._groups)} buffer entries for this "
                 f"accumulator's parameters (the window is open at micro_step {micro_step})"
             )
+        if version >= 6 and window.get("layout") != self._layout_kind:
+            # Positions in one order can read as positions in the other (both count up from 0 within a buffer).
+            raise field_error(
+                "layout",
+                f"{self._layout_kind!r}, the order this accumulator lays its buffers out in ('model' with model=, "
+                "'optimizer' without): an open window laid out in the other order would put parameters' parts into "
+                "one another; resume it as it was saved (with or without model=), or load a checkpoint taken between "
+                "windows",
+            )
         expected_positions = self._positions(version)
-        if version >= 6 and self._layout_order is not self._managed:
+        if version >= 6 and self._layout_kind == "model":
             order_name, order_hint = "model's parameter order", ""
         else:
             order_name, order_hint = "optimizer's order (its param_groups, flattened)", ", or listed in another order"

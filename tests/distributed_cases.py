@@ -995,6 +995,42 @@ def run_old_layout_checkpoint(rank: int) -> dict[str, bool]:
         results["version 5, the optimizer's order changed: refused"] = resumed.micro_step == 0 and (
             "listed in another order" in str(error)
         )
+    results.update(_cross_layout_checkpoint(rank))
+    return results
+
+
+def _cross_layout_checkpoint(rank: int) -> dict[str, bool]:
+    """A mid-window checkpoint saved with model= and loaded without it, or the reverse, both over one rank (a DDP on
+    a one-rank group): the positions in the model's order and in the optimizer's (here the reverse) both count up
+    from 0, so only the window's "layout" tells them apart; refused either way, nothing changed."""
+    import torch.distributed as dist
+
+    import gafused
+
+    solo = [dist.new_group([other]) for other in range(WORLD)][rank]  # every rank makes every group
+
+    def build(with_model: bool) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
+        module = make_model()
+        model = torch.nn.parallel.DistributedDataParallel(module, process_group=solo) if with_model else module
+        inner = torch.optim.SGD(list(module.parameters())[::-1], lr=LR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # without model=, over an initialized process group
+            return model, gafused.GradAccumulator(inner, N, model=model if with_model else None)
+
+    results = {}
+    x, y = micro_batch(rank, 0, 0)
+    for saved_with, loaded_with in ((True, False), (False, True)):
+        model, opt = build(saved_with)
+        opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+        opt.step()
+        state = opt.state_dict()
+        _, resumed = build(loaded_with)
+        name = f"saved {'with' if saved_with else 'without'} model=, loaded {'with' if loaded_with else 'without'}"
+        try:
+            resumed.load_state_dict(state)
+            results[name + ": refused"] = False
+        except ValueError as error:
+            results[name + ": refused"] = resumed.micro_step == 0 and "['layout']" in str(error)
     return results
 
 

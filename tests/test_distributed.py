@@ -133,7 +133,8 @@ def test_a_checkpoint_in_the_optimizers_order_loads_in_the_models(ranks: list[di
     """Version 3 laid a model='s buffers out in the optimizer's order: such a mid-window checkpoint, of an optimizer
     that lists the parameters in reverse, restores each parameter's part of the window (the buffers bitwise). This
     version's checkpoint, whose positions are in the model's order, loads whatever order the resumed optimizer lists
-    the parameters in; one of version 5, whose positions are in the optimizer's order, loads only in that order."""
+    the parameters in; one of version 5, whose positions are in the optimizer's order, loads only in that order. One
+    laid out in the model's order does not load into an accumulator without model=, nor the reverse."""
     for rank in range(cases.WORLD):
         said = ranks[rank]["old layout checkpoint"]
         assert said == {
@@ -142,6 +143,8 @@ def test_a_checkpoint_in_the_optimizers_order_loads_in_the_models(ranks: list[di
             "version 5": True,
             "version 3, the optimizer's order": True,
             "version 5, the optimizer's order changed: refused": True,
+            "saved with model=, loaded without: refused": True,
+            "saved without model=, loaded with: refused": True,
         }, said
 
 
