@@ -1525,11 +1525,11 @@ class GradAccumulator(torch.optim.Optimizer):
             for param, tensor in zip(self._managed, self._tensors, strict=True)
             if _TENSOR_OF(param) != tensor or not _marked(param, self._hook_mark)
         }
+        held_views = []  # swapped parameters whose p.grad is still their view, in a buffer written since
         for group in self._groups:
             if group.published is None or group.published_version is None:
                 continue
             written = _published_source(group)._version != group.published_version
-            held_views = []  # swapped parameters whose p.grad is still their view, in a buffer written since
             for index, param in enumerate(group.params):
                 view, grad = group.published[index], param.grad
                 if id(param) not in swapped or view is None or not group.hooked[index] or grad is None:
@@ -1543,15 +1543,15 @@ class GradAccumulator(torch.optim.Optimizer):
                         f"{group.names[index]}: its p.grad may be",
                         "under create_graph=True a new p.grad made from it cannot be told from one made after the swap",
                     )
-            if held_views:
-                # The views share their buffer's version counter: which of them was written cannot be told.
-                raise _swapped_grad_error(
-                    f"{held_views[0]}: its p.grad may be"
-                    if len(held_views) == 1
-                    else f"{', '.join(held_views)}: the p.grad of one or more of these may be",
-                    "a p.grad still holding its view was written in place since (autograd added into it; its buffer's "
-                    "views share one version counter, so which of them cannot be told)",
-                )
+        if held_views:
+            # The views share their buffer's version counter: which of them was written cannot be told.
+            raise _swapped_grad_error(
+                f"{held_views[0]}: its p.grad may be"
+                if len(held_views) == 1
+                else f"{', '.join(held_views)}: the p.grad of one or more of these may be",
+                "a p.grad still holding its view was written in place since (autograd added into it; its buffer's "
+                "views share one version counter, so which of them cannot be told)",
+            )
         for index, param in enumerate(self._managed):
             if id(param) in swapped:
                 for table in ("_backward_hooks", "_post_accumulate_grad_hooks"):

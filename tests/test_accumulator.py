@@ -1384,6 +1384,27 @@ def test_the_swap_refusal_names_every_view_that_may_have_been_added_into(swap_on
     assert "which of them cannot be told" in said and opt.stepped and opt.micro_step == 0
 
 
+def test_the_swap_refusal_names_the_views_of_every_buffer_written_since(swap_on_conversion):
+    """Layers of two dtypes have two buffers: a backward through both after a swap names the views of both, one through
+    the float64 layer only names that buffer's views alone (the other buffer was not written)."""
+    for through_both in (True, False):
+        torch.manual_seed(0)
+        narrow, wide = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3).double()
+        model = torch.nn.ModuleList([narrow, wide])
+        opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+        assert len(opt.buffers) == 2
+        x = torch.randn(4, 5)
+        (narrow(x).double() + wide(x.double())).sum().backward()
+        opt.step()  # no zero_grad(): every p.grad is its finished gradient's view
+        model.to("cpu")
+        (narrow(x).double() + wide(x.double()) if through_both else wide(x.double())).sum().backward()
+        with pytest.raises(RuntimeError) as refused:
+            opt.step()
+        names = [f"param_groups[0]['params'][{i}] (shape {tuple(p.shape)})" for i, p in enumerate(model.parameters())]
+        named = names if through_both else names[2:]
+        assert str(refused.value).startswith(", ".join(named) + ": the p.grad of one or more of these may be")
+
+
 def _micro_step(opt, model, x, y, loop, scaler=None, weight=None):
     """One micro-batch weighted by ``weight`` (default: its size) in either loop; ``scaler``: the step-time loop
     scales the loss with it (``opt.backward`` scales it with the accumulator's own)."""
