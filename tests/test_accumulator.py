@@ -246,6 +246,52 @@ def test_float32_clipping_scales_by_the_float32_factor_of_the_reported_norm(back
         unclipped.zero_grad()
 
 
+def test_a_micro_batch_whose_second_backward_folds_nothing_keeps_its_first(backend):
+    """A micro-batch of two backward() calls where the second's loss reaches no parameter: the first call's fold
+    stays the micro-batch's (step() takes it, zero_grad() refuses to drop what is folded), and the window is the
+    big batch's."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    batches = _data([3, 4])
+    opt.backward(_loss(model, *batches[0]), weight=3)
+    opt.step()
+    opt.backward(_loss(model, *batches[1]), weight=4)
+    opt.backward(torch.ones(2, dtype=torch.float64, requires_grad=True).sum())  # reaches no parameter
+    with pytest.raises(RuntimeError, match="already folded"):
+        opt.zero_grad()
+    opt.step()
+    assert opt.stepped
+    _big_batch_step(reference, reference_opt, batches)
+    _assert_same_params(model, reference, 1e-12)
+
+
+def test_a_flush_with_nothing_to_finish_says_no_step_ran():
+    """``stepped`` tells whether the last step() or flush() ran the inner step: after a window's last step() it is
+    True, and a flush() with no micro-batch open returns False and makes it False (an epoch-end
+    ``opt.flush(); if opt.stepped: scheduler.step()`` would otherwise step the scheduler twice)."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    opt.backward(_loss(model, *_data([3])[0]))
+    opt.step()
+    assert opt.stepped
+    assert opt.flush() is False and opt.stepped is False
+
+
+def test_normalization_cannot_change_once_a_backward_opened_the_window():
+    """A window's first backward() folds with the window's normalization: changing it before that micro-batch's
+    step() is refused, the value kept, and the window finished as it began."""
+    param = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), 1, backend="reference")
+    opt.backward((param * torch.tensor([1.0, 2.0], dtype=torch.float64)).sum(), weight=4)
+    with pytest.raises(RuntimeError):
+        opt.normalization = "sum"
+    assert opt.normalization == "mean"
+    opt.step()
+    assert torch.equal(param.detach(), torch.tensor([-1.0, -2.0], dtype=torch.float64))  # the mean: 4 * g / 4
+
+
 def test_norm_is_of_the_average_and_independent_of_n(backend, loop):
     norms = []
     for steps in (1, 2, 4):
