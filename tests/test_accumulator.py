@@ -4,6 +4,7 @@ Every test runs for each backend that can run here (the Triton backend through i
 """
 
 import copy
+import gc
 import io
 import math
 import re
@@ -290,6 +291,42 @@ def test_normalization_cannot_change_once_a_backward_opened_the_window():
     assert opt.normalization == "mean"
     opt.step()
     assert torch.equal(param.detach(), torch.tensor([-1.0, -2.0], dtype=torch.float64))  # the mean: 4 * g / 4
+
+
+def test_a_collected_accumulator_takes_its_finished_gradients_with_it():
+    """The finished gradients an accumulator hands out are views of its buffer: when it is collected they go too, so a
+    new accumulator over the same parameters does not take them for new gradients (its empty step is refused)."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, 1)
+    opt.backward(_loss(model, *_data([3])[0]))
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())
+    del opt
+    gc.collect()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="no parameter of the accumulator received a gradient"):
+        GradAccumulator(inner, 2).step()
+
+
+def test_loading_a_checkpoint_drops_a_micro_batch_awaiting_its_step():
+    """``load_state_dict`` rolls back to the checkpoint: a backward() whose step() never came is dropped with its
+    weight, and the next micro-batch (with another weight) finishes the window as the uninterrupted run does."""
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    uninterrupted = GradAccumulator(torch.optim.SGD(twin.parameters(), lr=0.1), 2)
+    (x, y), (x2, y2) = _data([3, 4])
+    for accumulator, net in ((opt, model), (uninterrupted, twin)):
+        accumulator.backward(_loss(net, x, y), weight=3)
+        accumulator.step()
+    saved = opt.state_dict()
+    opt.backward(_loss(model, x2, y2), weight=7)  # interrupted: no step()
+    opt.load_state_dict(saved)
+    for accumulator, net in ((opt, model), (uninterrupted, twin)):
+        accumulator.backward(_loss(net, x2, y2), weight=4)
+        accumulator.step()
+    assert opt.stepped and all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
 def test_norm_is_of_the_average_and_independent_of_n(backend, loop):
