@@ -238,6 +238,19 @@ def test_an_open_window_of_a_run_on_other_ranks_is_refused_on_every_rank() -> No
     assert accumulator.micro_step == 1
 
 
+@pytest.mark.parametrize(
+    "state",
+    [{"version": 2, "windows": None}, {"windows": None}, [], {"version": 1, "windows": {}}],
+    ids=["other-version", "no-version", "not-a-dict", "windows-not-a-list"],
+)
+def test_the_callbacks_state_of_another_version_or_shape_is_refused(state) -> None:
+    """The callback's own checkpoint entry (the other ranks' windows) is read only in the layout it was written in."""
+    callback = GradAccumulation()
+    with pytest.raises(ValueError, match="expected"):
+        callback.load_state_dict(state)
+    callback.load_state_dict({"version": 1, "windows": None})  # its own layout loads
+
+
 def test_a_precision_plugin_that_overrides_backward_is_refused() -> None:
     from lightning.pytorch.plugins.precision import Precision
 

@@ -153,6 +153,13 @@ def _trainer(tmp_path: Path, cls: type = GafusedTrainer, model: torch.nn.Module 
     )
 
 
+def test_average_tokens_across_devices_off_is_accepted_in_one_process(tmp_path: Path) -> None:
+    """Across ranks GafusedTrainer needs the token counts of every rank (average_tokens_across_devices); in one
+    process there is nothing to average, and turning it off is accepted."""
+    trainer = _trainer(tmp_path, average_tokens_across_devices=False, max_steps=1)
+    assert trainer.args.average_tokens_across_devices is False and trainer.args.world_size == 1
+
+
 def test_causal_lm_items_are_counted_after_the_shift(tmp_path: Path) -> None:
     """GPT2LMHeadModel leaves loss_type unset; its loss still shifts the labels. Trainer 5.x counts its items
     before the shift (one per sequence too many); GafusedTrainer after it, like its loss does."""
