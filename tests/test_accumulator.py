@@ -760,11 +760,14 @@ def test_scheduler_steps_once_per_window_and_per_micro_batch_use_warns(backend):
             if opt.stepped:
                 scheduler.step()
     assert inner.param_groups[0]["lr"] == pytest.approx(0.5**3)
-    with pytest.warns(UserWarning, match="learning rate changed inside an accumulation window"):
-        for x, y in _data([2] * 2, seed=101):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # warned once all the same: gafused keeps count itself
+        for x, y in _data([2] * 6, seed=101):
             _loss(model, x, y).backward()
             opt.step()
             scheduler.step()  # the mistake: stepped every micro-batch
+    said = [str(w.message) for w in caught if "learning rate changed inside an accumulation window" in str(w.message)]
+    assert len(said) == 1, said
 
 
 def test_param_groups_and_state_are_the_inner_optimizers():
@@ -1486,6 +1489,27 @@ def test_the_swap_refusal_names_the_views_of_every_buffer_written_since(swap_on_
         names = [f"param_groups[0]['params'][{i}] (shape {tuple(p.shape)})" for i, p in enumerate(model.parameters())]
         named = names if through_both else names[2:]
         assert str(refused.value).startswith(", ".join(named) + ": the p.grad of one or more of these may be")
+
+
+def test_a_swap_after_a_window_whose_finished_gradients_nobody_wrote_is_accepted(swap_on_conversion):
+    """The backward loop without zero_grad(), and model.to() between windows: the finished gradients still in p.grad
+    were not written since (opt.backward() releases them before autograd runs), so nothing is refused, and every
+    window is the big batch's."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    batches = _data([3, 4, 2, 5, 4, 3])
+    for window in range(3):
+        pair = batches[2 * window : 2 * window + 2]
+        if window:
+            _swap_every_tensor(model, "to")  # p.grad: the last window's finished views, unwritten
+        for x, y in pair:
+            opt.backward(_loss(model, x, y), weight=len(x))
+            opt.step()
+        assert opt.stepped
+        _big_batch_step(reference, reference_opt, pair)
+        _assert_same_params(model, reference, 1e-12)
 
 
 def _micro_step(opt, model, x, y, loop, scaler=None, weight=None):
