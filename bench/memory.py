@@ -173,10 +173,16 @@ class _CudaTracker:
     def __exit__(self, *exc: object) -> None:
         self._close_phase()
 
-    def _close_phase(self) -> None:
+    def _peaks_so_far(self) -> list[int]:
+        """The closed phases' peaks, and the open phase's so far (the allocator's peak since its mark)."""
         torch.cuda.synchronize()
-        if len(self._peaks) < len(self._phases):
-            self._peaks.append(torch.cuda.max_memory_allocated() - self._start)
+        peaks = list(self._peaks)
+        if len(peaks) < len(self._phases):
+            peaks.append(torch.cuda.max_memory_allocated() - self._start)
+        return peaks
+
+    def _close_phase(self) -> None:
+        self._peaks = self._peaks_so_far()
 
     def mark(self, phase: str = "measured") -> None:
         _check_new_phase(self._phases, phase)  # before the previous phase is closed
@@ -186,11 +192,7 @@ class _CudaTracker:
 
     def phase_peaks(self) -> dict[str, int]:
         # Read inside the block, the open phase's peak so far: only mark() and leaving the block close it.
-        torch.cuda.synchronize()
-        peaks = list(self._peaks)
-        if len(peaks) < len(self._phases):
-            peaks.append(torch.cuda.max_memory_allocated() - self._start)
-        return dict(zip(self._phases, peaks, strict=True))
+        return dict(zip(self._phases, self._peaks_so_far(), strict=True))
 
     def peak_after_mark(self) -> int:
         return max(self.phase_peaks().values(), default=0) if self._phases else _no_mark()

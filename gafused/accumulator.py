@@ -1066,13 +1066,13 @@ class GradAccumulator(torch.optim.Optimizer):
             if refusal is not None:
                 raise refusal
             count, squares, code, code_squares = sums[2:6].tolist()
-            if squares * self._sync.world_size != count * count:
+            if _ranks_differ(count, squares, self._sync.world_size):
                 raise RuntimeError(
                     f"flush(): the ranks are at different micro-steps (this rank: {self._micro_step}), or another "
                     "rank refused flush() (its error says why); nothing changed. Every rank must run the same "
                     "number of micro-batches before flush()"
                 )
-            if code_squares * self._sync.world_size != code * code:
+            if _ranks_differ(code, code_squares, self._sync.world_size):
                 raise RuntimeError(self._settings_differ("flush()") + "; nothing changed")
             if count == 0:
                 self._stepped = False
@@ -1428,9 +1428,11 @@ class GradAccumulator(torch.optim.Optimizer):
         self._weight_sum = sums[0]
         self._bad_weight = sums[1] > 0
         self._rank_flags = sums[6:]
-        # Equal counts (settings' codes) on every rank exactly when sum(c^2) * ranks == (sum c)^2.
+        # (micro-batch counts differ, settings' codes differ) across ranks, read at the window end's one host sync
         ranks = self._sync.world_size
-        self._rank_mismatch = torch.stack([sums[3] * ranks != sums[2] * sums[2], sums[5] * ranks != sums[4] * sums[4]])
+        self._rank_mismatch = torch.stack(
+            [_ranks_differ(sums[2], sums[3], ranks), _ranks_differ(sums[4], sums[5], ranks)]
+        )
         scale = self._window_scale(self._weight_sum)
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
         results = []
@@ -2455,6 +2457,13 @@ def _unmark(param: torch.Tensor, mark: int) -> None:
         marks.pop(mark, None)
         if not marks:
             del vars(param)[_HOOK_MARK]
+
+
+def _ranks_differ(total: Any, squares: Any, ranks: int) -> Any:
+    """Whether the ranks' values differ, from their all-reduced sum and sum of squares (floats, or 0-d tensors on the
+    device, where no host sync is wanted): by Cauchy-Schwarz, ``ranks * sum(c^2) == (sum c)^2`` exactly when every
+    rank's ``c`` is the same (integers whose sums float64 holds exactly)."""
+    return squares * ranks != total * total
 
 
 def _swapped_grad_error(subject: str, how: str) -> RuntimeError:

@@ -164,7 +164,11 @@ class GafusedTrainer(transformers.Trainer):
         _clipping(given, dict(options))  # refused now if configured twice; read again when training starts
         if given is not None:
             _check_arguments(given)
-            _check_reduce_dtype(options, given)
+            if options.get("reduce_dtype") is not None and given.world_size <= 1:
+                raise ValueError(
+                    "accumulator_options['reduce_dtype'] is the dtype DDP's buckets are all-reduced in; this Trainer "
+                    "runs in one process (launch with torchrun or accelerate launch for DDP)"
+                )
         super().__init__(*args, **kwargs)
         _check_trainer_internals(self, _TRAINER_ATTRIBUTES)
         self._options = options
@@ -687,14 +691,6 @@ def _check_arguments(args: Any) -> None:
         raise ValueError(
             f"n_gpu={args.n_gpu}: GafusedTrainer does not support torch.nn.DataParallel; launch one process per GPU "
             "(torchrun, accelerate launch) for DDP"
-        )
-
-
-def _check_reduce_dtype(options: dict[str, Any], args: Any) -> None:
-    if options.get("reduce_dtype") is not None and args.world_size <= 1:
-        raise ValueError(
-            "accumulator_options['reduce_dtype'] is the dtype DDP's buckets are all-reduced in; this Trainer runs in "
-            "one process (launch with torchrun or accelerate launch for DDP)"
         )
 
 
