@@ -116,6 +116,44 @@ def test_hooks_registered_after_the_accumulator_find_and_change_every_gradient(b
     _assert_same(model, truth)
 
 
+def test_a_bucket_handed_over_early_waits_for_the_hooks_after_a_later_gradient_of_its_own(backend):
+    """One bucket of two parameters, each with a hook registered after the accumulator that halves its gradient in
+    place. The first micro-batch uses only ``first``, so the next call's bucket is complete once ``first`` lands, its
+    hand-over deferred until ``first``'s hook has run; ``second``'s gradient lands after that and belongs to the same
+    bucket, so the bucket must wait for ``second``'s hook too (the end-of-backward pass folds it), not be handed over
+    while ``second``'s gradient is still unhalved. Exact against the step-time loop with the same hooks."""
+    torch.manual_seed(3)
+    values = [torch.randn(WIDTH, dtype=torch.float64) for _ in range(2)]
+    params = [torch.nn.Parameter(value.clone()) for value in values]
+    ref_params = [torch.nn.Parameter(value.clone()) for value in values]
+    opt = GradAccumulator(torch.optim.SGD(params, lr=0.1), 3, backend=backend)
+    ref_opt = GradAccumulator(torch.optim.SGD(ref_params, lr=0.1), 3, backend=backend)
+    assert len(opt.buffers[0].bucket_ranges) == 1
+
+    def halve(param):  # reads p.grad unconditionally: a bucket folded under it would leave None here
+        param.grad.mul_(0.5)
+
+    for param in params + ref_params:
+        param.register_post_accumulate_grad_hook(halve)
+    x = torch.randn(3, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def loss_of(first, second, index, uses_second):
+        # second's term built first: autograd runs the nodes built last first, so second's gradient lands last
+        extra = (second * x[index]).sum() ** 2 if uses_second else 0.0
+        return extra + ((first * x[index]).sum() - 1.0) ** 2
+
+    for index, uses_second in enumerate([False, True, True]):
+        opt.backward(loss_of(*params, index, uses_second))
+        opt.step()
+        loss_of(*ref_params, index, uses_second).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert opt.stepped and ref_opt.stepped
+    for param, ref_param in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(param, ref_param, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(params[1].detach(), values[1])
+
+
 def _freeze_schedule(backend, frozen_at, seed, watch="bias") -> list[bool]:
     """Train with the last layer's weight frozen at the indices ``frozen_at`` says, folding during backward, against
     the step-time loop (asserted exact); returns, per micro-batch, whether the last layer's bucket was folded while
@@ -218,6 +256,54 @@ def test_bucket_hooks_relearn_with_doubling_patience(uses, outcomes):
         hooks.stop()
         got.append("held" if not fired else "early" if fired[0] else "ok")
     assert got == outcomes
+
+
+def _bucket_outcomes(calls, trainable_at_start=True):
+    """BucketHooks alone over one bucket of two parameters, ``first`` and ``second``; per backward call, ``calls``
+    gives (uses first, uses second, second requires grad). Per call: "ok" when the bucket is handed over as its last
+    used gradient lands, "early" before that, "held" when it is not handed over during backward."""
+    first = torch.nn.Parameter(torch.ones(3))
+    second = torch.nn.Parameter(torch.ones(3), requires_grad=trainable_at_start)
+    elsewhere = torch.ones(3, requires_grad=True)  # outside the buffer: a backward that reaches neither
+    fired = []
+    uses = (False, False)
+
+    class Owner:
+        def on_bucket_ready(self, group_index, bucket_index):
+            fired.append((uses[0] and first.grad is None) or (uses[1] and second.grad is None))
+
+    owner = Owner()
+    hooks = BucketHooks([FlatGradBuffer([first, second])], owner)
+    got = []
+    for *uses, trainable in calls:
+        second.requires_grad_(trainable)
+        fired.clear()
+        first.grad = second.grad = elsewhere.grad = None
+        hooks.start()
+        # second's term built first: autograd runs the nodes built last first, so second's gradient lands last
+        loss = (second.sum() if uses[1] else 0) + elsewhere.sum() + (first.sum() if uses[0] else 0)
+        loss.backward()
+        hooks.stop()
+        got.append("held" if not fired else "early" if fired[0] else "ok")
+    return got
+
+
+def test_bucket_hooks_learn_nothing_from_a_backward_that_reaches_none_of_a_buckets_parameters():
+    """Another loss of the micro-batch (or a backward through other parameters) gives the bucket no gradient: the
+    count it waits for stays what it learned, so the next call that uses both parameters hands it over on time."""
+    both, neither, only_first = (True, True, True), (False, False, True), (True, False, True)
+    assert _bucket_outcomes([both, neither, both]) == ["ok", "held", "ok"]
+    # Learned one gradient (second unused): a call reaching neither keeps that, so the next one-gradient call folds.
+    assert _bucket_outcomes([only_first, only_first, neither, only_first]) == ["held", "ok", "held", "ok"]
+
+
+def test_bucket_hooks_hook_a_parameter_unfrozen_several_backward_calls_later():
+    """A parameter frozen when the hooks were built and still frozen at the next backward calls is looked at again
+    at each one: unfrozen at the third, it is hooked then, and its bucket waits for it."""
+    frozen, unfrozen = (True, False, False), (True, True, True)
+    # second's gradient lands after first's: a bucket waiting for one gradient is handed over early
+    assert _bucket_outcomes([(True, False, True), unfrozen]) == ["held", "early"]
+    assert _bucket_outcomes([frozen, frozen, unfrozen, unfrozen], trainable_at_start=False) == ["ok"] * 4
 
 
 def _counting(function, log, name):
