@@ -148,10 +148,9 @@ def _conv_model(memory_format: torch.memory_format) -> torch.nn.Module:
     return conv.to(memory_format=memory_format)
 
 
-@pytest.mark.parametrize("saved, loaded", [("channels_last", "contiguous"), ("contiguous", "channels_last")])
-def test_a_mid_window_checkpoint_resumes_in_another_memory_format(saved: str, loaded: str) -> None:
-    """The window is saved in each parameter's row-major order: resuming after ``model.to(memory_format=...)`` (or
-    without it) is exact; saved in the buffer's memory order, the segments were scrambled (an error of 1e-2)."""
+def _resume_conv(saved: str, loaded: str, checkpoint: Callable[[GradAccumulator], dict]) -> None:
+    """Save a window one micro-batch in with the model in memory format ``saved`` (``checkpoint(opt)``), resume it in
+    ``loaded``, and train on: asserts the result is the uninterrupted run's."""
     formats = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
     generator = torch.Generator().manual_seed(4)
     xs = [torch.randn(2, 3, 6, 7, generator=generator, dtype=torch.float64) for _ in range(2 * N)]
@@ -172,11 +171,46 @@ def test_a_mid_window_checkpoint_resumes_in_another_memory_format(saved: str, lo
     train(model, opt, xs[:1])
     resumed, resumed_opt = build(loaded)
     resumed.load_state_dict(model.state_dict())
-    resumed_opt.load_state_dict(opt.state_dict())
+    resumed_opt.load_state_dict(checkpoint(opt))
     assert resumed_opt.micro_step == 1
     train(resumed, resumed_opt, xs[1:])
     for param, value in zip(resumed.parameters(), expected, strict=True):
         torch.testing.assert_close(param.detach(), value, rtol=0, atol=1e-14)  # convolutions of either format
+
+
+@pytest.mark.parametrize("saved, loaded", [("channels_last", "contiguous"), ("contiguous", "channels_last")])
+def test_a_mid_window_checkpoint_resumes_in_another_memory_format(saved: str, loaded: str) -> None:
+    """The window is saved in each parameter's row-major order: resuming after ``model.to(memory_format=...)`` (or
+    without it) is exact; saved in the buffer's memory order, the segments were scrambled (an error of 1e-2)."""
+    _resume_conv(saved, loaded, GradAccumulator.state_dict)
+
+
+def _as_version(opt: GradAccumulator, version: int) -> dict:
+    """``opt``'s checkpoint as gafused wrote it at ``version`` 1 (each segment row-major) or 2 (each segment in the
+    buffer's memory order): neither recorded shapes, positions or the layout."""
+    state = opt.state_dict()
+    window = {key: value for key, value in state["gafused"].items() if key != "layout"}
+    window["version"] = version
+    entries = []
+    for buffer, entry in zip(opt.buffers, window["buffers"], strict=True):
+        entry = {key: value for key, value in entry.items() if key not in ("shapes", "positions")}
+        if version == 2:
+            entry["segments"] = torch.cat([buffer.segment(index).reshape(-1) for index in range(len(buffer))])
+        entries.append(entry)
+    window["buffers"] = entries
+    return {**state, "gafused": window}
+
+
+@pytest.mark.parametrize(
+    "version, saved, loaded",
+    [(1, "contiguous", "channels_last"), (1, "channels_last", "channels_last"), (2, "channels_last", "channels_last")],
+)
+def test_a_mid_window_checkpoint_of_an_earlier_version_resumes_in_its_own_order(
+    version: int, saved: str, loaded: str
+) -> None:
+    """Version 1 saved each segment row-major, as now: it resumes in either memory format. Version 2 saved the
+    buffer's memory order without recording it: it resumes in the memory format it was saved in."""
+    _resume_conv(saved, loaded, lambda opt: _as_version(opt, version))
 
 
 def test_a_mid_window_checkpoint_of_other_shapes_is_refused() -> None:
