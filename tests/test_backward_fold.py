@@ -333,6 +333,59 @@ def test_ops_per_micro_batch_are_buckets_not_parameters(monkeypatch, n_params):
     assert per_micro_batch == [["fold_"] * 2, ["fold_"] * 2, ["fold_finish_"] * 2]
 
 
+def test_a_bucket_no_gradient_reaches_in_a_middle_micro_batch_costs_no_op(monkeypatch):
+    """Two buckets; a middle micro-batch's backward reaches only the first: its step() adds nothing to the second
+    (a missing gradient contributes zero), so no op runs for it; the first and last micro-batches still write every
+    bucket (zeroing it, finishing it)."""
+    used = torch.nn.Parameter(torch.randn(300, dtype=torch.float64))
+    spare = torch.nn.Parameter(torch.randn(300, dtype=torch.float64))
+    opt = GradAccumulator(torch.optim.SGD([used, spare], lr=0.1), 3, backend="reference", bucket_bytes=300 * 8)
+    assert len(opt.buffers[0].bucket_ranges) == 2
+    calls = []
+    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, calls, "fold_"))
+    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, calls, "fold_finish_"))
+    per_micro_batch = []
+    for _ in range(3):
+        calls.clear()
+        opt.backward((used * used).sum())
+        opt.step()
+        per_micro_batch.append(list(calls))
+    assert per_micro_batch == [["fold_"] * 2, ["fold_"], ["fold_finish_"] * 2]
+    assert opt.stepped
+
+
+def _explode(grad):
+    raise RuntimeError("hook failed")
+
+
+def test_a_backward_that_fails_midway_teaches_the_bucket_hooks_nothing(backend, monkeypatch):
+    """One bucket: a gradient hook on the first layer raises after the later layers' gradients landed. That call's
+    partial count must not become what the bucket waits for: the next backward folds the bucket once, when it is
+    complete, and the result is exact."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, backend=backend)
+    assert len(opt.buffers[0].bucket_ranges) == 1
+    batches = _batches(3)
+    handle = model[0].weight.register_hook(_explode)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        opt.backward(_loss(model, batches[0]), weight=1.0)
+    handle.remove()
+    assert opt.micro_step == 0
+    folds = []
+    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, folds, "fold_"))
+    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, folds, "fold_finish_"))
+    weights = [float(x.shape[0]) for x in batches[1:]]
+    for x, w in zip(batches[1:], weights, strict=True):
+        folds.clear()
+        opt.backward(_loss(model, x), weight=w)
+        assert len(folds) == 1  # the bucket folded once, complete
+        opt.step()
+    assert opt.stepped
+    monkeypatch.undo()
+    _step_time_run(reference, batches[1:], 2, weights, backend=backend)
+    _assert_same(model, reference)
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_matches_the_step_time_loop_with_small_buckets(backend, steps):
     batches = _batches(2 * steps)

@@ -8,6 +8,7 @@ import gc
 import io
 import math
 import sys
+import warnings
 import weakref
 
 import numpy as np
@@ -270,6 +271,24 @@ def test_zero_grad_after_a_backward_that_folded_nothing_drops_that_batch(backend
     _assert_same(model, reference)
 
 
+def test_zero_grad_after_a_windows_first_backward_drops_the_gradients_a_plain_backward_added(backend):
+    """The window's first micro-batch: opt.backward() folded part of it, a plain loss.backward() left the rest in
+    p.grad (step() would fold them into it). zero_grad() drops the whole micro-batch: those gradients too, and the
+    window is as new (stepped False)."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    batches = _batches(5)
+    _one_window_matches_the_truth(opt, model, reference, batches[:2])
+    assert opt.stepped
+    opt.backward(_loss(model, batches[2]), weight=2)
+    _loss(model, batches[2]).backward()  # joins the micro-batch at step()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    assert opt.micro_step == 0 and opt._micro is None and not opt.stepped
+    assert all(p.grad is None for p in model.parameters())
+    _one_window_matches_the_truth(opt, model, reference, batches[3:])
+
+
 def test_zero_grad_after_a_later_backward_is_refused_and_changes_nothing(backend):
     """That micro-batch is folded into the window's sum: it cannot be dropped alone, nor silently merged with the
     next batch (zero_grad() once left it open, and the next backward() joined it)."""
@@ -290,6 +309,69 @@ def test_zero_grad_after_a_later_backward_is_refused_and_changes_nothing(backend
     opt.step()
     assert opt.stepped
     _truth(reference, [batches])
+    _assert_same(model, reference)
+
+
+def test_failed_create_graph_backward_keeps_held_gradients_it_replaced(backend):
+    """With create_graph=True autograd accumulates out of place: a failing opt.backward() leaves every gradient
+    held from a plain loss.backward() unchanged (new tensors replace them), so each is put back as it was, no note
+    says some were dropped, and step() folds them as that micro-batch."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x1, x2, x3 = _batches(3)
+    _loss(model, x1).backward()
+    held = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in held]
+
+    handle = model[0].weight.register_hook(_explode)
+    with pytest.raises(RuntimeError, match="hook failed") as raised:
+        opt.backward(_loss(model, x2), weight=1, create_graph=True)
+    handle.remove()
+    assert all(p.grad is g for p, g in zip(model.parameters(), held, strict=True))  # the very tensors
+    assert all(torch.equal(g, v) for g, v in zip(held, values, strict=True))
+    assert not any("gradient(s) held" in note for note in getattr(raised.value, "__notes__", []))
+    assert opt.micro_step == 0
+    opt.step(weight=x1.shape[0])
+    opt.backward(_loss(model, x3), weight=x3.shape[0])
+    opt.step()
+    assert opt.stepped
+    _truth(reference, [[x1, x3]])
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize("end", ["counted", "flush"])
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_failing_step_post_hook_keeps_the_finished_window(backend, loop, end):
+    """A post-hook runs after the inner step ended the window: its error reaches the caller, but the step it
+    follows stands (stepped, the finished gradients in p.grad, no note of a discarded window) and the next window
+    starts clean."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2 if end == "counted" else None, backend=backend)
+    batches = _batches(4)
+    fail = [True]
+
+    def post_hook(*_):
+        if fail[0]:
+            raise RuntimeError("post-hook failed")
+
+    opt.register_step_post_hook(post_hook)
+    with pytest.raises(RuntimeError, match="post-hook failed") as raised:
+        for x in batches[:2]:
+            micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
+        if end == "flush":
+            opt.flush()
+    assert not any("discarded" in note for note in getattr(raised.value, "__notes__", []))
+    assert opt.stepped and opt.micro_step == 0
+    assert all(p.grad is not None for p in model.parameters())
+    _truth(reference, [batches[:2]])
+    _assert_same(model, reference)
+    fail[0] = False
+    for x in batches[2:]:
+        micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
+    if end == "flush":
+        assert opt.flush()
+    assert opt.stepped
+    _truth(reference, [batches[2:]])
     _assert_same(model, reference)
 
 
@@ -360,6 +442,38 @@ def test_failed_backward_drops_held_gradients_it_changed_and_says_so(backend):
     assert dropped[2] and dropped[3] and kept[0]  # the last layer's were added to; the first layer's weight not
     assert f"{sum(dropped)} gradient(s) held" in "".join(raised.value.__notes__)
     assert opt.micro_step == 0
+
+
+def _momentum_truth(model, windows, uses):
+    """Plain PyTorch with momentum: a parameter no loss of a window reaches keeps p.grad None and is skipped."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for window, use in zip(windows, uses, strict=True):
+        sgd.zero_grad()
+        total = sum(x.shape[0] for x in window)
+        sum(use(model, x) * x.shape[0] / total for x in window).backward()
+        sgd.step()
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_parameter_no_gradient_reaches_in_a_window_gets_none_in_either_loop(backend, loop):
+    """Used in the first window only: in the second its finished gradient is None, as in torch (momentum SGD skips
+    it), not a zero gradient carried over from the first window's record of which parameters had one."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, backend=backend)
+    x1, x2, x3, x4 = _batches(4)
+
+    def first_layer(net, x):  # reaches the first layer only
+        return net[0](x).square().mean()
+
+    for x in (x1, x2):
+        micro_batch(opt, _loss(model, x), loop, weight=x.shape[0])
+    assert opt.stepped and model[2].weight.grad is not None
+    for x in (x3, x4):
+        micro_batch(opt, first_layer(model, x), loop, weight=x.shape[0])
+    assert opt.stepped
+    assert model[2].weight.grad is None and model[0].weight.grad is not None
+    _momentum_truth(reference, [[x1, x2], [x3, x4]], [_loss, first_layer])
+    _assert_same(model, reference)
 
 
 @pytest.mark.parametrize("create_graph", [False, True])
@@ -849,6 +963,26 @@ def test_tensor_learning_rate_changed_inside_a_window_warns():
     param.grad = torch.ones(2)
     with pytest.warns(UserWarning, match="learning rate changed"):
         opt.step()
+
+
+def test_learning_rate_changed_inside_a_window_warns_at_the_backward_that_sees_it():
+    """The backward() loop: the micro-batch's backward() is the first call after a scheduler stepped per micro-batch,
+    and warns there (once), before its gradients are folded."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, 3)
+    x1, x2, x3 = _batches(3)
+    opt.backward(_loss(model, x1), weight=x1.shape[0])
+    opt.step()
+    inner.param_groups[0]["lr"] = 0.05  # a scheduler stepped per micro-batch
+    with pytest.warns(UserWarning, match="learning rate changed"):
+        opt.backward(_loss(model, x2), weight=x2.shape[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per accumulator
+        opt.step()
+        opt.backward(_loss(model, x3), weight=x3.shape[0])
+        opt.step()
+    assert opt.stepped
 
 
 # --- load_state_dict: validate everything, then change anything ------------------------------------------
