@@ -703,8 +703,25 @@ def _misuse(rank: int) -> dict[str, str]:
     del opt
     said.update(_fsdp_weight_cases(rank, x, y))
     said.update(_fsdp_sync_off_cases(rank))
+    said.update(_fsdp_zero_grad_after_a_load(rank))
     said.update(_ddp_split_cases(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
+    return said
+
+
+def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:
+    """A mid-window checkpoint loaded, then the loop's zero_grad() before the next backward: FSDP (its sync on)
+    holds nothing of the window, so zero_grad() releases gradients and the window goes on where it was saved."""
+    import gafused
+
+    fsdp = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(fsdp.parameters(), lr=LR), N, model=fsdp)
+    x, y = micro_batch(rank, 0, 0)
+    opt.backward(token_losses(fsdp, x, y).mean(), weight=x.shape[0])
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    said = {"fsdp zero_grad after a mid-window load": _said(RuntimeError, opt.zero_grad)}
+    said["fsdp zero_grad after a mid-window load micro_step"] = str(opt.micro_step)
     return said
 
 
@@ -915,6 +932,17 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
         opt.step()
         norms.append(repr(float(opt.grad_norm)))
     said["fsdp norms over divide factors"] = " ".join(norms)
+    # Modules that divide by different factors cannot be undone by one fold factor: refused between windows (the
+    # factors were alike when the accumulator was built) and when an accumulator is built, on every rank alike.
+    sharded = [module for module in fsdp.modules() if isinstance(module, FSDPModule)]
+    sharded[1].set_gradient_divide_factor(1.0)
+    said["fsdp divide factors apart at a window"] = _said(
+        ValueError, opt.backward, token_losses(fsdp, x, y).mean(), weight=x.shape[0]
+    )
+    said["fsdp divide factors apart at construction"] = _said(
+        ValueError, gafused.GradAccumulator, torch.optim.SGD(fsdp.parameters(), lr=0.0), 1, model=fsdp
+    )
+    sharded[1].set_gradient_divide_factor(float(WORLD) * 4)
     # A bfloat16 loss carries the weight 257 as 256: the window's sum counts it as carried, so the finished gradient
     # is a weighted mean of the gradients (256 g0 + g1) / 257, not (256 g0 + g1) / 258. Every rank sees the same
     # data; the gradient of sum(W x) is x in every row of W, and SGD with lr 1 moves W by it.
@@ -931,6 +959,28 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     moved = start - linear.weight.full_tensor().detach()
     expected = ((256 * inputs[0] + inputs[1]) / 257).expand(2, 4)
     said["fsdp bf16 loss weight as carried"] = str(torch.allclose(moved, expected, rtol=1e-6, atol=0))
+    said["fsdp reduce_dtype"] = _said(
+        ValueError, gafused.GradAccumulator, torch.optim.SGD(fsdp.parameters(), lr=0.0), 1, model=fsdp,
+        reduce_dtype=torch.bfloat16,
+    )
+    # A micro-batch's loss in two backward() calls (the weight given to the first) folds what one call does.
+    models = []
+    for split in (False, True):
+        model = _wrap("fsdp", rank)
+        opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=LR), 2, model=model)
+        for micro in range(2):
+            x, y = micro_batch(rank, 0, micro)
+            half = x.shape[0] // 2
+            if split and micro == 0:  # two forwards, two backward() calls
+                opt.backward(token_losses(model, x[:half], y[:half]).sum() / x.shape[0], weight=x.shape[0])
+                opt.backward(token_losses(model, x[half:], y[half:]).sum() / x.shape[0])
+            else:
+                opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+            opt.step()
+        models.append([_full(param) for param in model.parameters()])
+    said["fsdp two backward calls equal one"] = str(
+        all(float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) for a, b in zip(*models, strict=True))
+    )
     return said
 
 

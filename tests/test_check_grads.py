@@ -323,3 +323,92 @@ def test_buffers_the_ops_could_not_fold_into_are_refused_at_construction(param, 
 def test_alignment_bytes_may_be_any_integer():
     buffer = FlatGradBuffer([torch.zeros(3), torch.zeros(5)], alignment_bytes=np.int64(64))
     assert buffer.alignment_bytes == 64 and type(buffer.alignment_bytes) is int and buffer.offsets == [0, 16]
+
+
+def _layouts(numel):
+    strided = torch.full((2 * numel,), -7.0)
+    return {
+        "2-D": (
+            torch.full((1, numel), -7.0),
+            r"out must be a flat tensor of \d+ elements on cpu, got shape \(1, \d+\)",
+        ),
+        "meta": (torch.empty(numel, device="meta"), r"out must be a flat tensor .* on cpu, got .* on meta"),
+        "strided": (strided[::2], r"out must be a contiguous .* \(not contiguous\)"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["2-D", "meta", "strided"])
+def test_scale_refuses_an_out_without_the_buffers_flat_layout_before_writing(backend, kind):
+    """``out`` must be laid out like the buffer (flat, contiguous, on its device): a kernel writing segment offsets
+    through its pointer would scatter the values elsewhere. Refused on every backend, nothing written."""
+    buffer = FlatGradBuffer([torch.zeros(4), torch.zeros(3)])
+    buffer.data.copy_(torch.arange(buffer.numel, dtype=torch.float32))
+    before = buffer.data.clone()
+    out, message = _layouts(buffer.numel)[kind]
+    base = out if out._base is None else out._base
+    written = None if out.is_meta else base.clone()
+    with pytest.raises(ValueError, match=message):
+        ops.scale_(buffer, 0.5, out=out, backend=backend)
+    assert torch.equal(buffer.data, before)
+    if written is not None:
+        assert torch.equal(base, written)
+
+
+def test_to_device_copies_when_asked_even_where_nothing_would_change():
+    """copy=True is how the accumulator keeps a micro-batch's weight when the caller reuses the tensor (a token
+    counter changed in place later): the result must be a copy even when device and dtype already match."""
+    value = torch.tensor(3.0, dtype=torch.float64)
+    copied = ops.to_device(value, torch.device("cpu"), torch.float64, copy=True)
+    value.fill_(5.0)
+    assert copied.item() == 3.0
+    assert ops.to_device(value, torch.device("cpu"), torch.float64) is value  # no copy unless asked
+
+
+def _shaped_buffer(shapes, accum_dtype=torch.float32):
+    return FlatGradBuffer([torch.empty(shape) for shape in shapes], accum_dtype=accum_dtype)
+
+
+@pytest.mark.parametrize(
+    ("weight", "error", "message"),
+    [
+        (torch.tensor(1.0 + 2.0j), ValueError, "weight must be a real number, got dtype torch.complex64"),
+        (torch.tensor(True), ValueError, "weight must be a real number, got dtype torch.bool"),
+        (torch.tensor(2.0, device="meta"), ValueError, "weight must hold a value, got a tensor on the meta device"),
+        (True, TypeError, "weight must be a real number or a 0-d tensor, got bool"),
+    ],
+    ids=["complex", "bool-tensor", "meta", "bool"],
+)
+def test_ops_refuse_a_scalar_that_is_no_real_value_before_writing(backend, weight, error, message):
+    """A complex weight would lose its imaginary part in the cast, a bool would count as 0 or 1, a meta tensor has
+    no value to copy: each is refused, naming the scalar, with nothing written."""
+    buffer = _shaped_buffer([(3,), (2,)])
+    grads = [torch.ones(3), torch.ones(2)]
+    ops.fold_(buffer, grads, 1.0, first=True, backend="reference")
+    before = buffer.data.clone()
+    with pytest.raises(error, match=message):
+        ops.fold_(buffer, grads, weight, first=False, backend=backend)
+    assert torch.equal(buffer.data, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64], ids=str)
+def test_an_integer_tensor_scalar_folds_its_value(backend, dtype):
+    """A token count kept as an integer tensor is a valid weight (and scale, coef): folded as its value."""
+    buffer = _shaped_buffer([(3,), (2,)])
+    grads = [torch.full((3,), 0.5), torch.full((2,), -1.0)]
+    ops.fold_(buffer, grads, torch.tensor(3, dtype=dtype), first=True, backend=backend)
+    total, _ = ops.fold_finish_(buffer, grads, 1.0, torch.tensor(2, dtype=dtype), first=False, backend=backend)
+    ops.scale_(buffer, torch.tensor(1, dtype=dtype), backend=backend)
+    assert torch.equal(buffer.view(0), torch.full((3,), 4.0)) and torch.equal(buffer.view(1), torch.full((2,), -8.0))
+    assert total.item() == 3 * 16.0 + 2 * 64.0
+
+
+@pytest.mark.parametrize("op", ["fold_", "fold_finish_"])
+def test_a_call_that_skips_check_grads_still_refuses_what_is_no_buffer(op):
+    """check=False skips the gradient checks only: a tensor passed as the buffer is still named as the mistake."""
+    buffer = FlatGradBuffer([torch.zeros(4), torch.zeros(3)])
+    call = {
+        "fold_": lambda: ops.fold_(buffer.data, [None, None], first=True, check=False),
+        "fold_finish_": lambda: ops.fold_finish_(buffer.data, [None, None], 1.0, 0.5, first=True, check=False),
+    }[op]
+    with pytest.raises(TypeError, match="buffer must be a gafused.FlatGradBuffer, got Tensor"):
+        call()

@@ -187,3 +187,77 @@ def test_an_unknown_backend_name_reaching_a_registered_op_is_refused():
     with pytest.raises(ValueError, match=r"backend must be one of .*got 'Foreach'"):
         torch.ops.gafused.sum_of_squares(torch.zeros(8), [0], [8], False, "Foreach")
     assert "Foreach" not in ops._import_errors
+
+
+def test_a_built_extension_still_refuses_what_it_cannot_run_on(cuda_machine, monkeypatch):
+    """A build with code for the GPU runs on that GPU only: CPU tensors, a device index that is not visible, a
+    machine whose CUDA is gone and a CPU build of torch each give the reason, and "cuda" by name then raises."""
+    cuda_module = _cuda_backend_over(_extension(kernel_image_error={0: "", 1: ""}.get), monkeypatch)
+    assert cuda_module.unavailable_reason(CUDA) is None
+    assert cuda_module.unavailable_reason(torch.device("cuda:0")) is None
+    assert cuda_module.unavailable_reason(CPU) == "the cuda backend runs on CUDA devices only, got cpu"
+    with pytest.raises(RuntimeError, match="CUDA devices only"):
+        ops.resolve_backend("cuda", CPU)
+    reason = cuda_module.unavailable_reason(torch.device("cuda:1"))
+    assert reason == "the cuda backend needs a visible CUDA device; cuda:1 is not one of 1", reason
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "torch.cuda.is_available() is False" in cuda_module.unavailable_reason(CUDA)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "needs a CUDA build of torch" in cuda_module.unavailable_reason(CUDA)
+    assert gafused.available_backends(CUDA) == ["reference", "foreach", "triton"]
+
+
+def test_a_dispatch_mode_over_plain_tensors_goes_through_the_custom_op():
+    """make_fx traces plain tensors under a dispatch mode: the graph must hold the gafused ops themselves (a
+    backend run directly would leave its kernels out of the graph, or trace the wrong ops)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    buffer, grads = _buffer_and_grads()
+
+    def window(g0, g1, weight):
+        ops.fold_(buffer, [g0, g1], weight, first=True, backend="foreach")
+        return ops.fold_finish_(buffer, [g0, g1], weight, 0.5, first=False, backend="foreach")
+
+    graph = make_fx(window)(*grads, torch.tensor(2.0))
+    targets = {node.target for node in graph.graph.nodes}
+    assert torch.ops.gafused.fold_.default in targets and torch.ops.gafused.fold_finish_.default in targets
+
+
+def test_capture_is_asked_of_the_buffers_device_stream(monkeypatch):
+    """is_current_stream_capturing() asks about the current device: _capturing must switch to the buffer's device
+    first, or a capture on the buffer's stream (another device current) is not refused."""
+    current = ["cuda:0"]
+
+    class Device:
+        def __init__(self, device):
+            self.device = str(device)
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.device
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] == "cuda:1")
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        ops._backend_for(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda:1")), "foreach")
+    assert ops._backend_for(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda:0")), "foreach")
+    assert current == ["cuda:0"]
+
+
+@pytest.mark.parametrize("name", ["reference", "foreach", "triton"])
+def test_fake_tensors_outside_their_mode_go_through_the_custom_op(name):
+    """FakeTensors made under a FakeTensorMode and used after it (FakeTensorProp, a memory estimate over fake
+    inputs) carry no dispatch mode: their type alone must route the op to its fake kernel."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    reason = ops.backend_unavailable_reason(name, "cpu")
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    with FakeTensorMode():
+        buffer, grads = _buffer_and_grads()
+        weight, scale = torch.tensor(2.0), torch.tensor(0.5)
+    total, flag = ops.fold_finish_(buffer, grads, weight, scale, first=True, backend=name)
+    assert isinstance(total, FakeTensor) and total.shape == () and flag.dtype == torch.bool
+    assert ops.sum_of_squares(buffer, per_segment=True, backend=name).shape == (2,)

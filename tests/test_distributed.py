@@ -435,3 +435,32 @@ def test_case_scripts_take_a_results_file_or_report_and_refuse_anything_else(tmp
                           timeout=120)  # fmt: skip
     assert done.returncode == 1 and "usage: python distributed_cases.py --report" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fsdp_modules_dividing_by_different_factors_are_refused(ranks: list[dict]) -> None:
+    """One fold factor undoes FSDP's division only when every fully_shard module divides alike: modules set apart
+    are refused, at the next window as at construction, on every rank."""
+    for rank in range(cases.WORLD):
+        said = ranks[rank]["misuse"]
+        for when in ("at a window", "at construction"):
+            refused = said[f"fsdp divide factors apart {when}"]
+            assert "the fully_shard modules use different gradient divide factors" in refused, (when, refused)
+
+
+def test_fsdp_zero_grad_right_after_loading_a_mid_window_checkpoint_goes_on(ranks: list[dict]) -> None:
+    """Nothing is held by FSDP after a load (its sync on): the loop's zero_grad() before the next backward is no
+    micro-batch FSDP summed, and the window resumes at the micro-step it was saved at."""
+    for rank in range(cases.WORLD):
+        said = ranks[rank]["misuse"]
+        after_load = said["fsdp zero_grad after a mid-window load"]
+        assert after_load == "no error", after_load
+        assert said["fsdp zero_grad after a mid-window load micro_step"] == "1"
+
+
+def test_fsdp_refuses_reduce_dtype_and_weights_every_backward_of_a_micro_batch(ranks: list[dict]) -> None:
+    """reduce_dtype is DDP's (FSDP2 reduces in its MixedPrecisionPolicy's dtype): refused rather than ignored. A
+    micro-batch whose loss takes two backward() calls carries its weight in both losses, as one call does."""
+    for rank in range(cases.WORLD):
+        said = ranks[rank]["misuse"]
+        assert "reduce_dtype applies to DDP models" in said["fsdp reduce_dtype"], said["fsdp reduce_dtype"]
+        assert said["fsdp two backward calls equal one"] == "True"
