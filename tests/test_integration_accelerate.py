@@ -9,11 +9,13 @@ pytest's; two gloo ranks (Accelerate's MULTI_CPU) run once in a subprocess.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +225,20 @@ def test_trigger_called_on_the_class_is_refused_under_ddp(runs: dict) -> None:
     for rank in range(2):
         result = _result(runs, 2, "refusal/trigger-on-the-class", rank)
         assert result["refusal"] is not None and "trigger_sync_in_backward" in result["refusal"]
+        assert result["micro_step"] == 0 and result["sync"] is False
+    one = _result(runs, 1, "refusal/trigger-on-the-class")
+    assert one["refusal"] is None and one["sync"] is False
+
+
+def test_a_checkpoint_without_its_window_files_is_refused_on_every_process(runs: dict) -> None:
+    """Under DDP optimizer.bin holds rank 0's part of an open window only: with the window files gone, every rank
+    refuses it rather than resume rank 0's part everywhere. On one process optimizer.bin is the whole window."""
+    for rank in range(2):
+        result = _result(runs, 2, "refusal/checkpoint-without-window-files", rank)
+        assert result["refusal"] is not None and "open window of one process only" in result["refusal"]
         assert result["micro_step"] == 0
-    assert _result(runs, 1, "refusal/trigger-on-the-class")["refusal"] is None
+    one = _result(runs, 1, "refusal/checkpoint-without-window-files")
+    assert one["refusal"] is None and one["micro_step"] == 1
 
 
 # --- in-process checks, one process ----------------------------------------------------------------------------------
@@ -887,3 +901,232 @@ def test_load_state_before_prepare_is_refused(fresh_accelerate, tmp_path) -> Non
     accelerator.load_state(str(tmp_path))
     assert accelerator.step == 2 and optimizer.micro_step == 2
     assert torch.equal(optimizer.state_dict()["gafused"]["weight_sum"], saved["weight_sum"])
+
+
+def test_a_refused_steps_gradients_are_not_folded_into_the_next_block(fresh_accelerate) -> None:
+    """loss.backward(), then a step() refused for its weight, and the loop goes on to the next block without
+    zero_grad(): the gradients the refused step left are still waiting, so the next block's step() is refused (they
+    would be summed into its micro-batch); dropping them with zero_grad() there lets the windows go on exactly."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = _initial_state(accelerator, model)
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            if index == 3:
+                model(batch).square().mean().backward()
+                with pytest.raises(RuntimeError, match="left gradients no step"):
+                    optimizer.step(weight=1.0 + index)
+                optimizer.zero_grad()  # drops both blocks' gradients: micro-batches 2 and 3 are left out
+                continue
+            model(batch).square().mean().backward()
+            if index == 2:
+                with pytest.raises(ValueError, match="weight"):
+                    optimizer.step(weight=-1.0)
+                continue  # no zero_grad(): the refused micro-batch's gradients stay in p.grad
+            optimizer.step(weight=1.0 + index)
+            scheduler.step()
+            optimizer.zero_grad()
+    assert optimizer.micro_step == 0 and scheduler.scheduler.last_epoch == 2
+    reference = _reference_windows(initial, batches, [[0, 1], [4, 5]], [0.1, 0.1 / 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+def test_a_plain_optimizer_state_beside_a_stale_window_file_is_refused(fresh_accelerate, tmp_path) -> None:
+    """A folder that held a gafused checkpoint taken mid-window, overwritten by plain Accelerate's save_state: its
+    optimizer.bin is the inner optimizer's, the gafused_window_0.bin beside it is the old run's. load_state refuses
+    the pair rather than resume the stale window."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=4, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    with accelerator.accumulate(model):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+        optimizer.step()
+    accelerator.save_state(str(tmp_path))
+    assert (tmp_path / gafused_accelerate.WINDOW_FILE.format(rank=0)).exists()
+    _reset_accelerate()
+
+    accelerator, model, optimizer, loader, _ = _prepared(steps=4, batches=4)
+    accelerator.save_state(str(tmp_path))  # plain Accelerate, into the same folder, between windows
+    _reset_accelerate()
+
+    accelerator, model, optimizer, loader, _ = _prepared(steps=4, batches=4)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    with pytest.raises(ValueError, match="plain optimizer state beside a gafused window file"):
+        accelerator.load_state(str(tmp_path))
+    assert optimizer.micro_step == 0
+
+
+def test_one_process_resumes_its_window_from_optimizer_bin_alone(fresh_accelerate, tmp_path) -> None:
+    """On one process Accelerate's optimizer.bin holds the whole open window: a checkpoint copied without
+    gafused_window_0.bin still resumes mid-window, ending where the uninterrupted run does, bitwise."""
+
+    def run(checkpoint: bool) -> list[torch.Tensor]:
+        _reset_accelerate()
+        torch.manual_seed(0)
+        accelerator, model, optimizer, loader, scheduler = _prepared(steps=4, batches=8)
+        optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+        for index, batch in enumerate(list(loader)):
+            if checkpoint and index == 2:  # mid-window: 2 of 4 micro-batches folded
+                accelerator.save_state(str(tmp_path))
+                os.remove(tmp_path / gafused_accelerate.WINDOW_FILE.format(rank=0))
+                _reset_accelerate()
+                accelerator, model, optimizer, loader, scheduler = _prepared(steps=4, batches=8)
+                optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+                accelerator.load_state(str(tmp_path))
+                assert accelerator.step == 2 and optimizer.micro_step == 2
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).square().mean(), weight=1.0 + index)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        assert optimizer.micro_step == 0 and scheduler.scheduler.last_epoch == 2
+        return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+    _same_tensors(run(True), run(False))
+
+
+def test_prepare_refuses_an_accelerated_optimizer_this_accelerator_did_not_prepare(fresh_accelerate) -> None:
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    accelerator, model, optimizer, _, _ = _prepared()
+    stranger = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False)
+    with pytest.raises(TypeError, match="optimizer must be the optimizer returned by accelerator.prepare"):
+        gafused_accelerate.prepare(accelerator, model, stranger)
+    assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
+
+
+def test_accelerators_grad_scaler_is_gafuseds(fresh_accelerate) -> None:
+    """fp16 Accelerate keeps a GradScaler on the accelerator (a CPU one stands for it here): gafused scales the loss
+    and updates that scaler once per window, so a non-finite window backs its scale off and is skipped, and the
+    finite windows step as plain PyTorch does."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=6)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    assert optimizer.accumulator.grad_scaler is accelerator.scaler
+    initial = _initial_state(accelerator, model)
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = model(batch).square().mean() * (math.inf if index == 3 else 1.0)
+            accelerator.backward(loss, weight=1.0 + index)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    assert optimizer.skipped_steps == 1 and accelerator.scaler.get_scale() == 2.0**9
+    reference = _reference_windows(initial, batches, [[0, 1], [4, 5]], [0.1, 0.1 / 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+def test_prepare_passes_its_options_to_the_accumulator(fresh_accelerate) -> None:
+    """accum_dtype, bucket_bytes and normalization reach the accumulator; reduce_dtype too (refused on one process,
+    as GradAccumulator refuses it without a DDP model). With normalization="sum" the window's gradient is the sum of
+    the micro-batches' (each loss already normalized over the window): one SGD step on the summed loss."""
+    accelerator, model, optimizer, _, _ = _prepared()
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        gafused_accelerate.prepare(accelerator, model, optimizer, reduce_dtype=torch.bfloat16)
+    assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
+    _reset_accelerate()
+
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=2)
+    optimizer = gafused_accelerate.prepare(
+        accelerator, model, optimizer, accum_dtype=torch.float64, bucket_bytes=16, normalization="sum"
+    )
+    accumulator = optimizer.accumulator
+    assert accumulator.accum_dtype == torch.float64 and accumulator.normalization == "sum"
+    assert len(accumulator.buffers[0].bucket_ranges) == 2  # weight and bias apart: 16 bytes a bucket
+    initial = _initial_state(accelerator, model)
+    batches = list(loader)
+    for batch in batches:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).square().mean() / 4)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert optimizer.stepped
+    reference = torch.nn.Linear(3, 2).double()
+    reference.load_state_dict(initial)
+    sum(reference(b.double()).square().mean() / 4 for b in batches).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+def test_backward_is_refused_once_the_accelerator_holds_another_optimizer(fresh_accelerate) -> None:
+    accelerator, model, optimizer, loader, _ = _prepared()
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with accelerator.accumulate(model), pytest.raises(RuntimeError, match="other optimizers than gafused's"):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+    assert optimizer.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_two_backward_calls_in_one_block_are_one_micro_batch(fresh_accelerate) -> None:
+    """Two losses of one micro-batch, each through accelerator.backward in the same accumulate() block (the weight
+    given to the first): one micro-batch, whose gradient is the sum of both losses'."""
+    accelerator, model, optimizer, loader, _ = _prepared(steps=2, batches=2)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    initial = _initial_state(accelerator, model)
+    batches = list(loader)
+    for index, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            out = model(batch)
+            accelerator.backward(out[:, 0].square().mean(), weight=1.0 + index, retain_graph=True)
+            accelerator.backward(out[:, 1].square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.micro_step == (index + 1) % 2
+    # Each micro-batch's loss is the sum of its two column means: twice the mean of the squares.
+    reference = _reference_windows(initial, batches, [[0, 1]], [0.1 * 2])
+    _assert_matches(accelerator.unwrap_model(model), reference)
+
+
+@pytest.mark.parametrize("parameters", ["one tensor", "with another parameter"])
+def test_accelerates_clipping_is_refused_for_any_of_gafuseds_parameters(fresh_accelerate, parameters: str) -> None:
+    accelerator, model, optimizer, loader, _ = _prepared()
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    other = torch.nn.Parameter(torch.ones(2))
+    other.grad = torch.full((2,), 3.0)
+    with accelerator.accumulate(model):
+        accelerator.backward(model(next(iter(loader))).square().mean())
+        target = model.weight if parameters == "one tensor" else [*model.parameters(), other]
+        with pytest.raises(RuntimeError, match="clips the window's finished gradient"):
+            accelerator.clip_grad_norm_(target, 0.5)
+        optimizer.step()
+    assert torch.equal(other.grad, torch.full((2,), 3.0))  # the refusal clipped nothing
+
+
+def test_free_memory_lets_go_of_the_accumulator_and_its_checkpoint_hooks(fresh_accelerate, tmp_path) -> None:
+    """After free_memory(), a plain run on the same accelerator saves no gafused window file, and the freed
+    accumulator (its buffers) is not kept alive by the accelerator's save/load-state hooks."""
+    accelerator, model, optimizer, loader, scheduler = _prepared(steps=2, batches=2)
+    optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+    _train_windows(accelerator, model, optimizer, loader, scheduler)
+    freed = weakref.ref(optimizer.accumulator)
+    del optimizer, model, loader, scheduler
+    accelerator.free_memory()
+    gc.collect()
+    assert freed() is None
+    module = torch.nn.Linear(3, 2)
+    model, plain = accelerator.prepare(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    accelerator.save_state(str(tmp_path))
+    assert not (tmp_path / gafused_accelerate.WINDOW_FILE.format(rank=0)).exists()
+
+
+def test_a_step_without_backward_before_any_block_is_plain_accelerates(fresh_accelerate) -> None:
+    """Outside accumulate(), with gradient_accumulation_steps=1, a step() that no backward preceded (a skipped
+    batch) is a window of its own without gradients: nothing moves, as with plain Accelerate."""
+
+    def train(with_gafused: bool) -> list[torch.Tensor]:
+        _reset_accelerate()
+        torch.manual_seed(0)
+        accelerator, model, optimizer, loader, _ = _prepared(steps=1, batches=3)
+        if with_gafused:
+            optimizer = gafused_accelerate.prepare(accelerator, model, optimizer)
+        for index, batch in enumerate(loader):
+            if index != 1:
+                accelerator.backward(model(batch).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+    _same_tensors(train(False), train(True))

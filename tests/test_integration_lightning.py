@@ -503,3 +503,129 @@ def test_a_freed_lightning_optimizer_wrapper_leaves_the_accumulator_alone() -> N
     del wrapper
     assert (len(accumulator._hooks._handles), len(accumulator._published_hooks)) == (hooks, published)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_callbacks_options_reach_the_accumulator() -> None:
+    """accum_dtype, backend and bucket_bytes are the accumulator's; the run is still the float64 big batch."""
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(
+        weight=cases.tokens, max_grad_norm=cases.MAX_NORM, accum_dtype=torch.float64, backend="reference",
+        bucket_bytes=4096,
+    )  # fmt: skip
+    module = TinyLM(0)
+    _quiet_trainer(callbacks=[callback]).fit(module)
+    accumulator = callback.accumulator
+    assert accumulator.accum_dtype == torch.float64 and accumulator.backend == "reference"
+    assert accumulator.max_grad_norm == cases.MAX_NORM
+    assert callback._module is None and callback._plugin is None  # nothing of the fit is held but the accumulator
+    assert all(len(buffer.bucket_ranges) > 1 for buffer in accumulator.buffers)  # 4 KiB buckets: several
+    truth_params, initial, _ = cases.truth(1)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+
+
+def test_stopping_with_one_micro_batch_in_the_window_warns() -> None:
+    """The fit stops right after the first batch of the second window: that micro-batch was never applied (as with
+    Lightning's own accumulation), and the callback says so."""
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Stopping(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if args[-1] == cases.N:  # batch_idx: the second window's first batch
+                trainer.should_stop = True
+
+    callback = GradAccumulation(weight=cases.tokens)
+    with pytest.warns(UserWarning, match=r"training ended with 1 micro-batch\(es\) in a window Lightning did not step"):
+        _quiet_trainer(callbacks=[Stopping(), callback]).fit(TinyLM(0))
+    assert callback.accumulator.micro_step == 1
+
+
+def test_a_fit_that_raises_gives_the_precision_plugin_its_backward_back() -> None:
+    """Lightning runs no teardown hook when fit raises mid-training: the plugin's own backward comes back anyway,
+    and the callback lets go of the module."""
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(weight=lambda batch: -1.0)
+    trainer = _quiet_trainer(callbacks=[callback], limit_train_batches=2)
+    with pytest.raises(ValueError, match="weight"):
+        trainer.fit(TinyLM(0))
+    assert "backward" not in trainer.precision_plugin.__dict__
+    assert callback._plugin is None and callback._module is None
+
+
+def test_reduce_dtype_reaches_the_accumulator_under_ddp() -> None:
+    """DDP on one gloo process, in this one: reduce_dtype is DDP's buckets' wire dtype."""
+    import os
+
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(weight=cases.tokens, reduce_dtype=torch.bfloat16)
+    environ = dict(os.environ)
+    try:
+        trainer = _quiet_trainer(
+            callbacks=[callback], strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"),
+            limit_train_batches=cases.N,
+        )  # fmt: skip
+        trainer.fit(TinyLM(0))
+        assert callback.accumulator._sync.world_size == 1  # DDP's (the strategy unwrapped its module at teardown)
+        assert callback.accumulator._sync.reduce_dtype == torch.bfloat16
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def test_a_checkpoint_between_windows_holds_no_rank_windows() -> None:
+    """Under DDP the callback's state gathers the ranks' open windows only when one is open: a checkpoint taken
+    between windows holds none (and resumes on any number of ranks). Several ranks stand in by _world_size here: the
+    gather would need their process group."""
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(weight=cases.tokens)
+    _quiet_trainer(callbacks=[callback], limit_train_batches=cases.N).fit(TinyLM(0))
+    assert callback.accumulator.micro_step == 0
+    callback._world_size = 2
+    assert callback.state_dict() == {"version": 1, "windows": None}
+
+
+def test_gradient_clip_val_zero_is_no_clipping_and_is_accepted() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    module = TinyLM(0)
+    callback = GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM)
+    _quiet_trainer(callbacks=[callback], gradient_clip_val=0.0).fit(module)
+    truth_params, initial, _ = cases.truth(1)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+
+
+def test_fp16_loss_scaling_is_refused() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from test_integration_lightning import _fit_refused
+
+    _, TinyLM, _ = cases._lightning_classes()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    _fit_refused(TinyLM(0), RuntimeError, r'does not support precision="16-mixed"', plugins=[plugin])
+
+
+def test_a_strategy_other_than_single_device_or_ddp_is_refused() -> None:
+    """FSDP needs a GPU in Lightning: the check is called with it directly."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from gafused.integrations.lightning import _check_trainer
+
+    _, TinyLM, _ = cases._lightning_classes()
+    real = _quiet_trainer()
+    fake = SimpleNamespace(
+        fit_loop=real.fit_loop, gradient_clip_val=None, strategy=FSDPStrategy(), precision_plugin=Precision()
+    )
+    with pytest.raises(RuntimeError, match="supports the single-device strategy and DDP; got FSDPStrategy"):
+        _check_trainer(fake, TinyLM(0))
+
+
+def test_stepping_the_accumulator_by_hand_is_refused() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+    callback = GradAccumulation(weight=cases.tokens)
+    _quiet_trainer(callbacks=[callback], limit_train_batches=cases.N).fit(TinyLM(0))
+    for kwargs in ({}, {"weight": 2.0}, {"end_window": True}):
+        with pytest.raises(RuntimeError, match="Do not step it yourself"):
+            callback.accumulator.step(**kwargs)
+    assert callback.accumulator.micro_step == 0
