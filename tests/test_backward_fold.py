@@ -61,9 +61,7 @@ def test_buckets_are_folded_and_released_while_backward_runs(backend, monkeypatc
         torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend, bucket_bytes=_layer_bytes() - 8
     )
     assert len(opt.buffers[0].bucket_ranges) == 4
-    folds = []
-    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, folds, "fold_"))
-    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, folds, "fold_finish_"))
+    folds = _count_folds(monkeypatch)
     seen = {}
 
     def probe(param):  # runs after the accumulator's own hook on this parameter
@@ -314,6 +312,26 @@ def _counting(function, log, name):
     return wrapper
 
 
+def _count_folds(monkeypatch):
+    """A list that records, in order, every ``ops.fold_`` and ``ops.fold_finish_`` call from now on (by name)."""
+    calls = []
+    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, calls, "fold_"))
+    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, calls, "fold_finish_"))
+    return calls
+
+
+def _folds_per_micro_batch(monkeypatch, opt, loss_of, count=3):
+    """The fold ops of each of ``count`` micro-batches of the backward loop, the loss of each from ``loss_of()``."""
+    calls = _count_folds(monkeypatch)
+    per_micro_batch = []
+    for _ in range(count):
+        calls.clear()
+        opt.backward(loss_of())
+        opt.step()
+        per_micro_batch.append(list(calls))
+    return per_micro_batch
+
+
 @pytest.mark.parametrize("n_params", [3, 300])
 def test_ops_per_micro_batch_are_buckets_not_parameters(monkeypatch, n_params):
     """The same total size in 3 or 300 parameters and 2 buckets: 2 fold ops per micro-batch either way."""
@@ -321,15 +339,7 @@ def test_ops_per_micro_batch_are_buckets_not_parameters(monkeypatch, n_params):
     params = [torch.nn.Parameter(torch.randn(size, dtype=torch.float64)) for size in sizes]
     opt = GradAccumulator(torch.optim.SGD(params, lr=0.1), 3, backend="reference", bucket_bytes=300 * 8)
     assert len(opt.buffers[0].bucket_ranges) == 2
-    calls = []
-    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, calls, "fold_"))
-    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, calls, "fold_finish_"))
-    per_micro_batch = []
-    for _ in range(3):
-        calls.clear()
-        opt.backward(sum((p * p).sum() for p in params))
-        opt.step()
-        per_micro_batch.append(list(calls))
+    per_micro_batch = _folds_per_micro_batch(monkeypatch, opt, lambda: sum((p * p).sum() for p in params))
     assert per_micro_batch == [["fold_"] * 2, ["fold_"] * 2, ["fold_finish_"] * 2]
 
 
@@ -341,15 +351,7 @@ def test_a_bucket_no_gradient_reaches_in_a_middle_micro_batch_costs_no_op(monkey
     spare = torch.nn.Parameter(torch.randn(300, dtype=torch.float64))
     opt = GradAccumulator(torch.optim.SGD([used, spare], lr=0.1), 3, backend="reference", bucket_bytes=300 * 8)
     assert len(opt.buffers[0].bucket_ranges) == 2
-    calls = []
-    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, calls, "fold_"))
-    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, calls, "fold_finish_"))
-    per_micro_batch = []
-    for _ in range(3):
-        calls.clear()
-        opt.backward((used * used).sum())
-        opt.step()
-        per_micro_batch.append(list(calls))
+    per_micro_batch = _folds_per_micro_batch(monkeypatch, opt, lambda: (used * used).sum())
     assert per_micro_batch == [["fold_"] * 2, ["fold_"], ["fold_finish_"] * 2]
     assert opt.stepped
 
@@ -371,9 +373,7 @@ def test_a_backward_that_fails_midway_teaches_the_bucket_hooks_nothing(backend, 
         opt.backward(_loss(model, batches[0]), weight=1.0)
     handle.remove()
     assert opt.micro_step == 0
-    folds = []
-    monkeypatch.setattr(ops, "fold_", _counting(ops.fold_, folds, "fold_"))
-    monkeypatch.setattr(ops, "fold_finish_", _counting(ops.fold_finish_, folds, "fold_finish_"))
+    folds = _count_folds(monkeypatch)
     weights = [float(x.shape[0]) for x in batches[1:]]
     for x, w in zip(batches[1:], weights, strict=True):
         folds.clear()
