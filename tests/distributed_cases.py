@@ -960,7 +960,11 @@ def _fsdp_weight_cases(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     expected = ((256 * inputs[0] + inputs[1]) / 257).expand(2, 4)
     said["fsdp bf16 loss weight as carried"] = str(torch.allclose(moved, expected, rtol=1e-6, atol=0))
     said["fsdp reduce_dtype"] = _said(
-        ValueError, gafused.GradAccumulator, torch.optim.SGD(fsdp.parameters(), lr=0.0), 1, model=fsdp,
+        ValueError,
+        gafused.GradAccumulator,
+        torch.optim.SGD(fsdp.parameters(), lr=0.0),
+        1,
+        model=fsdp,
         reduce_dtype=torch.bfloat16,
     )
     # A micro-batch's loss in two backward() calls (the weight given to the first) folds what one call does.
