@@ -465,12 +465,8 @@ class FSDPSync(Sync):
         self._user_sync = []
 
     def _fsdp_params(self) -> Iterator[Any]:
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self._model.modules():
-            if isinstance(module, FSDPModule):
-                param_group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-                yield from getattr(param_group, "fsdp_params", ())
+        for param_group in self._param_groups():  # every group of a module that has several (newer torch)
+            yield from getattr(param_group, "fsdp_params", ())
 
     def _held(self) -> Iterator[torch.Tensor]:
         # What FSDP's post-backward reduce-scatters when the sync is on: an accumulated unsharded gradient, or the
