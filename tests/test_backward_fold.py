@@ -211,51 +211,6 @@ def test_a_bucket_handed_over_early_waits_for_all_only_until_its_use_is_stable_a
     assert seen == [True, True, False, True, True, True, True, False, True, True, True, True]
 
 
-@pytest.mark.parametrize(
-    ("uses", "outcomes"),
-    [
-        # One micro-batch that used more: one early hand-over, then waiting for both until the count (one
-        # gradient) has been stable for two calls, then folding when the one gradient lands.
-        ([False, True, False, False, False, False], ["held", "early", "held", "held", "ok", "ok"]),
-        # Use that keeps changing: the second early hand-over doubles the calls needed (4), which alternation
-        # never gives: from then on the bucket waits for both, held to the end whenever one is unused.
-        (
-            [True, False, True, True, False, False, True, False, True, False, True, False],
-            ["ok", "held", "early", "ok", "held", "ok", "early", "held", "ok", "held", "ok", "held"],
-        ),
-        # A second early hand-over (call 6) doubles the calls needed to 4: the bucket waits for both through
-        # calls 7-10 (with 2 it would wait for one from call 9 on).
-        (
-            [True, False, True, True, False, False, True, False, False, False, False, False],
-            ["ok", "held", "early", "ok", "held", "ok", "early", "held", "held", "held", "held", "ok"],
-        ),
-    ],
-    ids=["grew-once", "alternating", "grew-twice"],
-)
-def test_bucket_hooks_relearn_with_doubling_patience(uses, outcomes):
-    """BucketHooks alone, one bucket of two parameters, the second used or not per backward call: "ok" when the
-    bucket is handed over as its last used gradient lands, "early" before that, "held" when it is not handed over
-    during backward (the end-of-backward pass folds it)."""
-    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
-    fired = []
-
-    class Owner:
-        def on_bucket_ready(self, group_index, bucket_index):
-            fired.append(first.grad is None or (use and second.grad is None))
-
-    owner = Owner()
-    hooks = BucketHooks([FlatGradBuffer([first, second])], owner)
-    got = []
-    for use in uses:
-        fired.clear()
-        first.grad = second.grad = None
-        hooks.start()
-        (first.sum() + (second.sum() if use else 0)).backward()
-        hooks.stop()
-        got.append("held" if not fired else "early" if fired[0] else "ok")
-    assert got == outcomes
-
-
 def _bucket_outcomes(calls, trainable_at_start=True):
     """BucketHooks alone over one bucket of two parameters, ``first`` and ``second``; per backward call, ``calls``
     gives (uses first, uses second, second requires grad). Per call: "ok" when the bucket is handed over as its last
@@ -284,6 +239,33 @@ def _bucket_outcomes(calls, trainable_at_start=True):
         hooks.stop()
         got.append("held" if not fired else "early" if fired[0] else "ok")
     return got
+
+
+@pytest.mark.parametrize(
+    ("uses", "outcomes"),
+    [
+        # One micro-batch that used more: one early hand-over, then waiting for both until the count (one
+        # gradient) has been stable for two calls, then folding when the one gradient lands.
+        ([False, True, False, False, False, False], ["held", "early", "held", "held", "ok", "ok"]),
+        # Use that keeps changing: the second early hand-over doubles the calls needed (4), which alternation
+        # never gives: from then on the bucket waits for both, held to the end whenever one is unused.
+        (
+            [True, False, True, True, False, False, True, False, True, False, True, False],
+            ["ok", "held", "early", "ok", "held", "ok", "early", "held", "ok", "held", "ok", "held"],
+        ),
+        # A second early hand-over (call 6) doubles the calls needed to 4: the bucket waits for both through
+        # calls 7-10 (with 2 it would wait for one from call 9 on).
+        (
+            [True, False, True, True, False, False, True, False, False, False, False, False],
+            ["ok", "held", "early", "ok", "held", "ok", "early", "held", "held", "held", "held", "ok"],
+        ),
+    ],
+    ids=["grew-once", "alternating", "grew-twice"],
+)
+def test_bucket_hooks_relearn_with_doubling_patience(uses, outcomes):
+    """BucketHooks alone, one bucket of two parameters, the second used or not per backward call (see
+    ``_bucket_outcomes``)."""
+    assert _bucket_outcomes([(True, use, True) for use in uses]) == outcomes
 
 
 def test_bucket_hooks_learn_nothing_from_a_backward_that_reaches_none_of_a_buckets_parameters():
