@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -445,6 +446,43 @@ def test_the_readme_benchmark_figures_are_the_committed_results() -> None:
     assert ours["q20_ms"] > plain["q80_ms"], "the README calls their quantile ranges apart"
     if meta["git_tracked_files_modified"]:
         assert "with uncommitted changes in the tree" in flat
+
+
+def test_the_readme_full_run_time_is_the_committed_runs() -> None:
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    section = readme[readme.index("## Benchmarks") :]
+    cited = section.split("Committed figures: `", 1)[1].split("`", 1)[0]
+    seconds = json.loads((ROOT / cited).read_text())["meta"]["seconds"]
+    assert f"`python bench/run.py --full` runs the whole sweep (about {round(seconds / 60)} minutes" in readme
+    assert f"the committed run took {round(seconds)} s)" in readme
+
+
+def test_the_readme_framework_exactness_tables_are_the_committed_reports() -> None:
+    committed = (ROOT / "bench" / "results" / "frameworks-cases-cpu.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    tables = re.findall(r"(?:^\|.*\n)+", committed, re.MULTILINE)
+    assert len(tables) == 3, "one table per framework: Accelerate, Trainer, Lightning"
+    for table, script in zip(tables, ("accelerate", "transformers", "lightning"), strict=True):
+        assert table in readme, f"README's table of `python tests/{script}_cases.py --report` is the committed one"
+        cited = readme.split(f"python tests/{script}_cases.py --report`", 1)[1][:200]
+        assert "`bench/results/frameworks-cases-cpu.md`" in cited
+    assert "`frameworks-cases-cpu.md`" in (ROOT / "bench" / "results" / "README.md").read_text()
+
+
+def test_the_readme_h100_test_counts_are_the_committed_log() -> None:
+    log = (ROOT / "bench" / "results" / "nvidia-h100-80gb-hbm3-20261126-172216-gpu-check-tests.log").read_text()
+    collected = int(re.search(r"workers \[(\d+) items\]", log).group(1))
+    outcomes = re.findall(r"^\[gw\d+\] \[ *\d+%\] (PASSED|SKIPPED|FAILED|ERROR) (\S+?)::", log, re.MULTILINE)
+    counts = {word: sum(outcome == word for outcome, _ in outcomes) for word in ("PASSED", "SKIPPED", "FAILED")}
+    ran = len(outcomes)
+    accelerate = [path for _, path in outcomes if path == "tests/test_integration_accelerate.py"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"after {ran:,} of its {collected:,} tests: {counts['PASSED']:,} passed, {counts['SKIPPED']:,} skipped, "
+            f"{counts['FAILED']} failed") in readme  # fmt: skip
+    # Every test not run is one of the Accelerate file's, which the README names.
+    assert (f"The {collected - ran} not run are the rest of `tests/test_integration_accelerate.py` (its first "
+            f"{len(accelerate)} had passed)") in readme  # fmt: skip
+    assert f"after 1,632 of {collected:,} tests" in " ".join((ROOT / "bench" / "NOTES.md").read_text().split())
 
 
 def test_the_readme_gpu_kernel_table_is_the_committed_result() -> None:
