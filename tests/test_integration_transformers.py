@@ -1052,3 +1052,207 @@ def test_an_older_trainer_is_refused_naming_the_version_it_needs() -> None:
     # The extra that installs transformers asks for the same version.
     setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
     assert f'"transformers>={TRANSFORMERS_MIN_VERSION}"' in setup
+
+
+@pytest.mark.parametrize(
+    ("arguments", "options", "match"),
+    [
+        ({"fp16": True}, None, "fp16=True: GafusedTrainer does not support fp16"),
+        ({"fsdp": "full_shard"}, None, "fsdp: GafusedTrainer does not support FSDP"),
+        ({"n_gpu": 2}, None, "n_gpu=2: GafusedTrainer does not support torch.nn.DataParallel"),
+        (None, {"max_grad_norm": 0.5}, r"configured twice: TrainingArguments\(max_grad_norm=1.0\)"),
+    ],
+    ids=["fp16", "fsdp", "dataparallel", "clipping-twice-without-args"],
+)
+def test_refusals_the_arguments_decide_leave_the_rng_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arguments: dict | None, options: dict | None, match: str
+) -> None:
+    """Refused before Trainer builds anything (it seeds the global RNG); without args= (Trainer's default
+    TrainingArguments clip at 1.0) too."""
+    monkeypatch.chdir(tmp_path)
+    model = cases.make_model()
+    extra: dict[str, Any] = {} if options is None else {"accumulator_options": options}
+    if arguments is not None:
+        arguments = dict(arguments)
+        n_gpu = arguments.pop("n_gpu", None)
+        extra["args"] = cases._arguments(str(tmp_path), **arguments)
+        if n_gpu is not None:
+            extra["args"]._n_gpu = n_gpu  # what TrainingArguments sets up with 2 visible GPUs: DataParallel
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match=match):
+        GafusedTrainer(model=model, train_dataset=cases.Sequences(), data_collator=cases.collate, **extra)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "match"),
+    [
+        ("is_fsdp_enabled", "fsdp: GafusedTrainer does not support FSDP"),
+        ("is_deepspeed_enabled", "deepspeed: GafusedTrainer does not support DeepSpeed"),
+        ("get_tp_size", "parallelism_config: GafusedTrainer supports data parallelism"),
+        ("get_cp_size", "parallelism_config: GafusedTrainer supports data parallelism"),
+        ("get_sp_size", "parallelism_config: GafusedTrainer supports data parallelism"),
+    ],
+)
+def test_what_accelerates_configuration_enables_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: str, match: str
+) -> None:
+    """FSDP, DeepSpeed, tensor/context/sequence parallelism from Accelerate's configuration (not TrainingArguments)."""
+    if enabled.startswith("get_"):
+        monkeypatch.setattr(transformers.Trainer, enabled, lambda self: 2)
+    else:
+        create = transformers.Trainer.create_accelerator_and_postprocess
+
+        def create_enabled(self: transformers.Trainer) -> None:
+            create(self)
+            setattr(self, enabled, True)
+
+        monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", create_enabled)
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path)
+
+
+def _unchanged(model: torch.nn.Module, start: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+
+
+def test_an_accelerator_with_a_grad_scaler_is_refused_when_training_starts(tmp_path: Path) -> None:
+    model = cases.make_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, model=model, max_steps=1)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")  # fp16 from Accelerate's configuration
+    with pytest.raises(ValueError, match="mixed_precision: GafusedTrainer does not support fp16 loss scaling"):
+        trainer.train()
+    assert trainer.accumulator is None and trainer.state.global_step == 0 and _unchanged(model, start)
+
+
+class _BackwardOfItsOwn(transformers.Trainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+        loss.backward()  # not accelerator.backward
+        return loss.detach()
+
+
+def test_a_training_step_that_bypasses_accelerator_backward_is_refused(tmp_path: Path) -> None:
+    class Mixed(GafusedTrainer, _BackwardOfItsOwn):
+        pass
+
+    model = cases.make_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, Mixed, model=model, max_steps=1)
+    with pytest.raises(RuntimeError, match="Trainer ran no accelerator.backward for this micro-batch"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and trainer.accumulator.micro_step == 0 and _unchanged(model, start)
+
+
+class _Unlabelled(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.items = [{"x": row} for row in torch.randn(4, 4, generator=torch.Generator().manual_seed(2))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+class _LossWithoutLabels(torch.nn.Module):
+    """Takes **kwargs (Trainer: its loss is normalized by num_items_in_batch) but has no labels to count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(4, 1)
+
+    def forward(self, x, **kwargs):
+        return {"loss": self.score(x).square().mean()}
+
+
+def test_a_batch_without_labels_for_a_model_that_takes_the_count_is_refused(tmp_path: Path) -> None:
+    """No labels: Trainer passes no num_items_in_batch and divides by the micro-batch count, a per-micro-batch
+    mean the summing accumulator would add up. Refused before any backward."""
+    model = _LossWithoutLabels()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = _sgd_trainer(GafusedTrainer, model, tmp_path, _Unlabelled(), False, gradient_accumulation_steps=2)
+    assert trainer.model_accepts_loss_kwargs is True
+    with pytest.raises(RuntimeError, match="a batch without 'labels' gives Trainer no num_items_in_batch"):
+        trainer.train()
+    assert trainer.accumulator.micro_step == 0 and _unchanged(model, start)
+
+
+def test_loss_items_count_a_batchs_shift_labels_and_a_ctc_heads_sequences_only_for_its_own_loss(
+    tmp_path: Path,
+) -> None:
+    labels = torch.tensor([[5, 6, 7, 8], [9, 10, -100, -100]])
+    shift_labels = torch.tensor([[6, -100, 8, -100], [10, -100, -100, -100]])
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels, "shift_labels": shift_labels}
+    assert int(_trainer(tmp_path).loss_items(batch)) == 3  # not labels[..., 1:]: 4
+    data = _Speech()
+    speech = _Speech.collate(data.items[:2])  # transcripts of 2 and 14 tokens
+    trainer = _sgd_trainer(GafusedTrainer, _wav2vec2_ctc("mean"), tmp_path, data, False, data_collator=_Speech.collate)
+    assert int(trainer.loss_items(speech)) == 2  # ctc_loss_reduction="mean": the sequences
+    trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()
+    assert int(trainer.loss_items(speech)) == 16  # the user's loss: its labels
+
+
+def test_label_smoothing_under_trainers_own_torch_compile_is_counted_like_trainer_counts_it(tmp_path: Path) -> None:
+    """torch_compile=True: Accelerate compiles the model as training starts; compute_loss gets the compiled wrapper,
+    no causal LM's class, so Trainer's LabelSmoother scores every label (no shift), unlike for the model as built."""
+    epsilon, data, model = 0.1, _TwoSequences(), _bart_causal_lm()
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    items = sum(int(item["labels"].ne(-100).sum()) for item in data.items)
+    total = sum(
+        _smoothed_sum(truth(input_ids=item["input_ids"][None]).logits, item["labels"][None], epsilon, False)
+        for item in data.items
+    )
+    (total / items).backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+    trainer = _sgd_trainer(
+        GafusedTrainer,
+        model,
+        tmp_path,
+        data,
+        False,
+        gradient_accumulation_steps=2,
+        label_smoothing_factor=epsilon,
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    assert trainer._loss_shifts_labels is True  # the model as built
+    trainer.train()
+    error = _step_error(model, start, grads)  # counted after the shift the smoother skips: 1.7e-1
+    assert error < 1e-5, error
+    assert trainer.state.global_step == 1 and trainer._loss_shifts_labels is False
+
+
+def test_accelerator_backward_is_its_own_again_after_training_and_after_a_failed_step(tmp_path: Path) -> None:
+    model = cases.make_model()
+    trainer = _trainer(tmp_path, model=model, max_steps=1)
+    trainer.train()
+    assert "backward" not in vars(trainer.accelerator)
+    model.zero_grad(set_to_none=True)
+    trainer.accelerator.backward(model(**cases.collate([{"input_ids": torch.arange(1, 6)}])).loss)
+    assert trainer.accumulator.micro_step == 0 and all(p.grad is not None for p in model.parameters())
+
+    model = cases.make_model()
+    trainer = _trainer(tmp_path / "failed", model=model, max_steps=2)
+
+    def fail(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if module.training:
+            raise RuntimeError("a failing forward")
+
+    model.register_forward_pre_hook(fail, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="a failing forward"):
+        trainer.train()
+    assert "backward" not in vars(trainer.accelerator)
+
+
+def test_accumulator_options_are_the_ones_checked_at_construction(tmp_path: Path) -> None:
+    options = {"backend": "reference"}
+    trainer = _trainer(tmp_path, max_steps=1, accumulator_options=options)
+    options["backend"] = "nope"  # the caller's mapping changed after the check
+    options["normalization"] = "sum"
+    trainer.train()
+    assert trainer.accumulator.backend == "reference"
