@@ -667,6 +667,22 @@ def _causal_loss_func(outputs, labels, num_items_in_batch=None):
     return _smoothed_sum(outputs.logits, labels, 0.0, shift=True) / num_items_in_batch
 
 
+def _smoothed_truth(
+    model: torch.nn.Module, data: Any, epsilon: float, shift: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's float64 start, and the gradient of the token mean of the label-smoothed loss (labels shifted or
+    not) over every sequence of ``data`` at once."""
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    truth = copy.deepcopy(model).double()
+    items = sum(int((item["labels"][1:] if shift else item["labels"]).ne(-100).sum()) for item in data.items)
+    total = sum(
+        _smoothed_sum(truth(input_ids=item["input_ids"][None]).logits, item["labels"][None], epsilon, shift)
+        for item in data.items
+    )
+    (total / items).backward()
+    return start, {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+
+
 @pytest.mark.parametrize(
     ("how", "compiled", "shift", "gpt2"),
     [
@@ -693,15 +709,7 @@ def test_a_loss_trainer_computes_is_counted_like_trainer_counts_it(
     epsilon = 0.1 if how == "label_smoothing" else 0.0
     data = _TwoSequences()
     model = cases.make_model() if gpt2 else _bart_causal_lm()
-    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
-    truth = copy.deepcopy(model).double()
-    items = sum(int((item["labels"][1:] if shift else item["labels"]).ne(-100).sum()) for item in data.items)
-    total = sum(
-        _smoothed_sum(truth(input_ids=item["input_ids"][None]).logits, item["labels"][None], epsilon, shift)
-        for item in data.items
-    )
-    (total / items).backward()
-    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+    start, grads = _smoothed_truth(model, data, epsilon, shift)
 
     def build(cls: type, module: torch.nn.Module) -> transformers.Trainer:
         return _sgd_trainer(
@@ -1200,15 +1208,7 @@ def test_label_smoothing_under_trainers_own_torch_compile_is_counted_like_traine
     """torch_compile=True: Accelerate compiles the model as training starts; compute_loss gets the compiled wrapper,
     no causal LM's class, so Trainer's LabelSmoother scores every label (no shift), unlike for the model as built."""
     epsilon, data, model = 0.1, _TwoSequences(), _bart_causal_lm()
-    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
-    truth = copy.deepcopy(model).double()
-    items = sum(int(item["labels"].ne(-100).sum()) for item in data.items)
-    total = sum(
-        _smoothed_sum(truth(input_ids=item["input_ids"][None]).logits, item["labels"][None], epsilon, False)
-        for item in data.items
-    )
-    (total / items).backward()
-    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in truth.named_parameters()}
+    start, grads = _smoothed_truth(model, data, epsilon, False)
     trainer = _sgd_trainer(
         GafusedTrainer,
         model,
