@@ -393,13 +393,19 @@ def _ratio_range(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}x"
 
 
+def _cited_cpu_run(readme: str) -> tuple[str, dict]:
+    """The committed CPU run README's Benchmarks section cites ("Committed figures: `FILE`"): its path and content."""
+    section = readme[readme.index("## Benchmarks") :]
+    cited = section.split("Committed figures: `", 1)[1].split("`", 1)[0]
+    return cited, json.loads((ROOT / cited).read_text())
+
+
 def test_the_readme_benchmark_figures_are_the_committed_results() -> None:
     import summary
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Benchmarks") : readme.index("## Development")]
-    cited = section.split("Committed figures: `", 1)[1].split("`", 1)[0]
-    results = json.loads((ROOT / cited).read_text())
+    cited, results = _cited_cpu_run(readme)
     meta = results["meta"]
     assert meta["mode"] == "full" and meta["device_type"] == "cpu"
     assert cited.removeprefix("bench/results/") in (ROOT / "bench" / "results" / "README.md").read_text()
@@ -450,9 +456,7 @@ def test_the_readme_benchmark_figures_are_the_committed_results() -> None:
 
 def test_the_readme_full_run_time_is_the_committed_runs() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
-    section = readme[readme.index("## Benchmarks") :]
-    cited = section.split("Committed figures: `", 1)[1].split("`", 1)[0]
-    seconds = json.loads((ROOT / cited).read_text())["meta"]["seconds"]
+    seconds = _cited_cpu_run(readme)[1]["meta"]["seconds"]
     assert f"`python bench/run.py --full` runs the whole sweep (about {round(seconds / 60)} minutes" in readme
     assert f"the committed run took {round(seconds)} s)" in readme
 

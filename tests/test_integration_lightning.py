@@ -7,6 +7,7 @@ clipping. One process runs in this process; 2 gloo ranks under Lightning's DDP s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -553,8 +554,6 @@ def test_a_fit_that_raises_gives_the_precision_plugin_its_backward_back() -> Non
 
 def test_reduce_dtype_reaches_the_accumulator_under_ddp() -> None:
     """DDP on one gloo process, in this one: reduce_dtype is DDP's buckets' wire dtype."""
-    import os
-
     _, TinyLM, _ = cases._lightning_classes()
     callback = GradAccumulation(weight=cases.tokens, reduce_dtype=torch.bfloat16)
     environ = dict(os.environ)
@@ -596,7 +595,6 @@ def test_gradient_clip_val_zero_is_no_clipping_and_is_accepted() -> None:
 
 def test_fp16_loss_scaling_is_refused() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
-    from test_integration_lightning import _fit_refused
 
     _, TinyLM, _ = cases._lightning_classes()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

@@ -870,26 +870,6 @@ def test_bad_configuration_is_refused(tmp_path: Path, kwargs: dict, error: type,
         _trainer(tmp_path, **kwargs)
 
 
-def test_reduce_dtype_in_one_process_is_refused_without_training_arguments_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Without args= Trainer makes its own TrainingArguments: gafused makes the same ones first, and refuses before
-    Trainer builds anything (it seeds the global RNG): the refused call leaves the RNG as it was (it was refused
-    only when training started, with a message about model=, which Trainer sets, and later after Trainer's seeding)."""
-    monkeypatch.chdir(tmp_path)  # where Trainer's default output_dir would go
-    model = cases.make_model()
-    torch.manual_seed(1234)
-    state = torch.get_rng_state()
-    with pytest.raises(ValueError, match=r"accumulator_options\['reduce_dtype'\] .* one process"):
-        GafusedTrainer(
-            model=model,
-            train_dataset=cases.Sequences(),
-            data_collator=cases.collate,
-            accumulator_options={"reduce_dtype": torch.bfloat16},
-        )
-    assert torch.equal(torch.get_rng_state(), state)
-
-
 def test_a_gradaccumulator_as_the_optimizer_is_refused(tmp_path: Path) -> None:
     model = cases.make_model()
     accumulator = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
@@ -1069,15 +1049,17 @@ def test_an_older_trainer_is_refused_naming_the_version_it_needs() -> None:
         ({"fsdp": "full_shard"}, None, "fsdp: GafusedTrainer does not support FSDP"),
         ({"n_gpu": 2}, None, "n_gpu=2: GafusedTrainer does not support torch.nn.DataParallel"),
         (None, {"max_grad_norm": 0.5}, r"configured twice: TrainingArguments\(max_grad_norm=1.0\)"),
+        (None, {"reduce_dtype": torch.bfloat16}, r"accumulator_options\['reduce_dtype'\] .* one process"),
     ],
-    ids=["fp16", "fsdp", "dataparallel", "clipping-twice-without-args"],
+    ids=["fp16", "fsdp", "dataparallel", "clipping-twice-without-args", "reduce_dtype-without-args"],
 )
 def test_refusals_the_arguments_decide_leave_the_rng_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arguments: dict | None, options: dict | None, match: str
 ) -> None:
-    """Refused before Trainer builds anything (it seeds the global RNG); without args= (Trainer's default
-    TrainingArguments clip at 1.0) too."""
-    monkeypatch.chdir(tmp_path)
+    """Refused before Trainer builds anything (it seeds the global RNG): the refused call leaves the RNG as it was.
+    Without args= Trainer makes its own TrainingArguments (clipping at 1.0): gafused makes the same ones first
+    (reduce_dtype in one process was once refused only when training started, after Trainer's seeding)."""
+    monkeypatch.chdir(tmp_path)  # where Trainer's default output_dir would go
     model = cases.make_model()
     extra: dict[str, Any] = {} if options is None else {"accumulator_options": options}
     if arguments is not None:

@@ -38,13 +38,14 @@ def _assert_same(a, b, tolerance=1e-12):
         torch.testing.assert_close(pa, pb, rtol=tolerance, atol=tolerance)
 
 
-def _truth(model, windows, lr=0.1):
-    """Plain PyTorch: one SGD step per window on the token-weighted big batch."""
-    sgd = torch.optim.SGD(model.parameters(), lr=lr)
-    for window in windows:
+def _truth(model, windows, lr=0.1, momentum=0.0, losses=None):
+    """Plain PyTorch: one SGD step per window on the token-weighted big batch (of ``losses[i]``, default ``_loss``,
+    for window ``i``). With momentum, a parameter no loss of a window reaches keeps p.grad None and is skipped."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for window, loss in zip(windows, losses or [_loss] * len(windows), strict=True):
         sgd.zero_grad()
         total = sum(x.shape[0] for x in window)
-        sum(_loss(model, x) * x.shape[0] / total for x in window).backward()
+        sum(loss(model, x) * x.shape[0] / total for x in window).backward()
         sgd.step()
 
 
@@ -444,16 +445,6 @@ def test_failed_backward_drops_held_gradients_it_changed_and_says_so(backend):
     assert opt.micro_step == 0
 
 
-def _momentum_truth(model, windows, uses):
-    """Plain PyTorch with momentum: a parameter no loss of a window reaches keeps p.grad None and is skipped."""
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for window, use in zip(windows, uses, strict=True):
-        sgd.zero_grad()
-        total = sum(x.shape[0] for x in window)
-        sum(use(model, x) * x.shape[0] / total for x in window).backward()
-        sgd.step()
-
-
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_a_parameter_no_gradient_reaches_in_a_window_gets_none_in_either_loop(backend, loop):
     """Used in the first window only: in the second its finished gradient is None, as in torch (momentum SGD skips
@@ -472,7 +463,7 @@ def test_a_parameter_no_gradient_reaches_in_a_window_gets_none_in_either_loop(ba
         micro_batch(opt, first_layer(model, x), loop, weight=x.shape[0])
     assert opt.stepped
     assert model[2].weight.grad is None and model[0].weight.grad is not None
-    _momentum_truth(reference, [[x1, x2], [x3, x4]], [_loss, first_layer])
+    _truth(reference, [[x1, x2], [x3, x4]], momentum=0.9, losses=[_loss, first_layer])
     _assert_same(model, reference)
 
 
