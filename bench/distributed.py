@@ -526,16 +526,6 @@ def _row(recipe: Recipe, per_rank: list[dict[str, Any]], numel: int, float64_nor
     }
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     width = spec.split(".")[0].lstrip("+")
     return format("-", f">{width}") if value is None else format(value * scale, spec)
@@ -643,7 +633,7 @@ def run(quick: bool, names: list[str] | None = None, memory: bool = True) -> dic
         "torch": torch.__version__,
         "gafused": gafused.__version__,
         "python": platform.python_version(),
-        "cpu": _cpu_name(),
+        "cpu": provenance.cpu_name(),
         "cpu_count": os.cpu_count(),
         **provenance.facts("cpu"),
         "threads_per_rank": 1,

@@ -2,6 +2,7 @@
 
     python bench/host_overhead.py                 # 1024 tensors of 64 fp32 elements, every backend on CPU
     python bench/host_overhead.py --tensors 148 --numel 4096
+    python bench/host_overhead.py --runs 3 --out bench/results   # three runs, their ranges, saved as JSON and .txt
 
 A middle micro-step folds one gradient per parameter into the buffer and nothing else, so on tensors this
 small its time is almost all host work: Python, dispatch, argument checks, tables. The baseline is the least
@@ -44,8 +45,13 @@ every round, so neither load from other processes nor what the previous case lef
 waited on its kernels, its garbage) falls on one case more than another; Python's cyclic garbage collector is
 kept out of the timed calls (as ``timeit`` does: a collection that allocations elsewhere made due runs after the
 call). The gradients are handed back to the parameters untimed before every ``step`` sample, as backward would.
+``--runs K`` measures K times, one run after the other in this process, prints each run's table and then each
+row's least and greatest median (and ratios) over the runs (``ranges()``): host timings on a shared machine move
+with its load, so a single run says little. ``--out DIR`` also saves the runs, their ranges and what produced them
+(commit, versions, arguments, ``TRITON_INTERPRET``) as JSON, and the printed report as .txt, beside it.
 Stopped by SIGTERM (the time limit of bench/gpu_check.sh) or Ctrl-C after at least two samples of every case, it
-prints the table of the samples taken so far, says how many, and exits with 143 (130).
+prints the table of the samples taken so far, says how many, and exits with 143 (130); with ``--runs``, the runs
+taken before (a run stopped before two rounds is left out), and no further run.
 """
 
 from __future__ import annotations
@@ -53,19 +59,23 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import os
+import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import interrupt
+import provenance
 import timing
 import torch
 
 import gafused
 from gafused import FlatGradBuffer, GradAccumulator, ops
 
-__all__ = ["main", "rows", "PLAIN_BACKWARD", "BACKWARD_LOOP"]
+__all__ = ["main", "rows", "ranges", "format_table", "format_ranges", "PLAIN_BACKWARD", "BACKWARD_LOOP"]
 
 # The rows of the backward loop (``_backward_loop_case``): plain PyTorch's, then gafused's per backend.
 PLAIN_BACKWARD = "loss.backward() (plain)"
@@ -354,8 +364,68 @@ def rows(
     return results
 
 
+def format_table(table: list[dict[str, object]]) -> str:
+    """One run's rows as the script prints them: median, quantiles, ratio to the baseline, launches."""
+    width = max(len(row["what"]) for row in table)
+    lines = [
+        f"{'what':<{width}} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10} "
+        f"{'launches':>9}"
+    ]
+    for row in table:
+        lines.append(
+            f"{row['what']:<{width}} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
+            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f} {'-' if row['launches'] is None else row['launches']:>9}"
+        )
+    for row in table:
+        if row["x_plain_backward"] is not None:
+            lines.append(f"{BACKWARD_LOOP} ({row['backend']}): {row['x_plain_backward']:.2f}x {PLAIN_BACKWARD}")
+    for row in table:
+        if row["note"]:
+            lines.append(f"{row['what']}: {row['note']}")
+    return "\n".join(lines)
+
+
+def ranges(runs: list[list[dict[str, object]]]) -> list[dict[str, object]]:
+    """Each row's least and greatest median, ratio and ``x_plain_backward`` over ``runs`` (lists of ``rows()``
+    output with the same rows in the same order): ``what``, ``backend``, ``median_us``, ``ratio`` and
+    ``x_plain_backward`` (None where the rows hold none), each a ``[least, greatest]`` pair."""
+    if not runs:
+        raise ValueError("ranges needs at least one run")
+    keys = [(row["what"], row["backend"]) for row in runs[0]]
+    for index, run in enumerate(runs[1:], 2):
+        if [(row["what"], row["backend"]) for row in run] != keys:
+            raise ValueError(f"run {index} has other rows than run 1: ranges compare the same rows")
+    spans = []
+    for position, (what, backend) in enumerate(keys):
+        span: dict[str, object] = {"what": what, "backend": backend}
+        for field in ("median_us", "ratio", "x_plain_backward"):
+            values = [run[position][field] for run in runs]
+            span[field] = None if values[0] is None else [min(values), max(values)]
+        spans.append(span)
+    return spans
+
+
+def format_ranges(spans: list[dict[str, object]], runs: int) -> str:
+    """The ``ranges`` table: least-greatest median, ratio to the baseline and, on the backward loop's rows, ratio to
+    plain PyTorch's backward, over ``runs`` runs."""
+    width = max(len(span["what"]) for span in spans)
+    lines = [
+        f"over {runs} runs (least-greatest of the runs' medians):",
+        f"{'what':<{width}} {'backend':<10} {'median us':>15} {'x foreach':>11} {'x plain backward':>17}",
+    ]
+    for span in spans:
+        plain = span["x_plain_backward"]
+        lines.append(
+            f"{span['what']:<{width}} {span['backend']:<10} {'{:.1f}-{:.1f}'.format(*span['median_us']):>15} "
+            f"{'{:.2f}-{:.2f}'.format(*span['ratio']):>11} "
+            f"{'-' if plain is None else '{:.2f}-{:.2f}'.format(*plain):>17}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the host-cost table for the command-line sizes; 143 (130) when SIGTERM (Ctrl-C) cut it short."""
+    """Print the host-cost table for the command-line sizes (with ``--runs``, each run's and the ranges over them;
+    with ``--out``, also saved there); 143 (130) when SIGTERM (Ctrl-C) cut it short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=1024)
     parser.add_argument("--numel", type=int, default=64)
@@ -363,39 +433,71 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="measure this many times, one after another (default 1), and print the "
+        "least and greatest of each row's medians over the runs"
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write the runs as JSON, and the printed report as .txt, into "
+        "this folder (<device>-<UTC time>-host-<tensors>x<numel>-<dtype>)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out: {args.out} exists and is not a directory")
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    try:
-        with interrupt.sigterm_raises():
-            table = rows(args.tensors, args.numel, dtype, args.device, args.reps)
-    except interrupt.STOPPED as stop:  # before two whole sampling rounds: nothing to show
-        print(f"STOPPED by {interrupt.describe(stop)['signal']} before two whole sampling rounds: no table")
-        return interrupt.exit_status(stop)
-    stopped = table[0]["interrupted"]
-    if stopped:
-        print(f"PARTIAL RESULTS: stopped by {stopped['signal']} during {stopped['during']}")
-    print(
+    device = torch.device(args.device)
+    runs: list[list[dict[str, object]]] = []
+    stopped = None
+    with interrupt.sigterm_raises():
+        for _ in range(args.runs):
+            try:
+                runs.append(rows(args.tensors, args.numel, dtype, device, args.reps))
+            except interrupt.STOPPED as stop:  # before two whole sampling rounds of this run: it is left out
+                stopped = interrupt.describe(stop, f"run {len(runs) + 1} of {args.runs}, before two rounds")
+                break
+            stopped = runs[-1][0]["interrupted"]
+            if stopped:
+                break
+    if not runs:
+        print(f"STOPPED by {stopped['signal']} before two whole sampling rounds: no table")
+        return 143 if stopped["signal"] == "SIGTERM" else 130
+    lines = []
+    if stopped and args.out is None:  # (save_report says it itself)
+        lines.append(f"PARTIAL RESULTS: stopped by {stopped['signal']} during {stopped['during']}")
+    threads = torch.get_num_threads()
+    lines.append(
         f"middle micro-step, {args.tensors} x {args.numel} {args.dtype} on {args.device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s), {table[0]['reps']} samples per row"
+        f"{threads} thread(s), {runs[0][0]['reps']} samples per row"
+        + (f", TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}" if "TRITON_INTERPRET" in os.environ else "")
     )
-    print(f"launches: {timing.launch_unit(args.device)} in one call")
-    width = max(len(row["what"]) for row in table)
-    print(
-        f"{'what':<{width}} {'backend':<10} {'median us':>10} {'q20 us':>9} {'q80 us':>9} {'x foreach':>10} "
-        f"{'launches':>9}"
-    )
-    for row in table:
-        print(
-            f"{row['what']:<{width}} {row['backend']:<10} {row['median_us']:>10.1f} {row['q20_us']:>9.1f} "
-            f"{row['q80_us']:>9.1f} {row['ratio']:>10.2f} {'-' if row['launches'] is None else row['launches']:>9}"
-        )
-    for row in table:
-        if row["x_plain_backward"] is not None:
-            print(f"{BACKWARD_LOOP} ({row['backend']}): {row['x_plain_backward']:.2f}x {PLAIN_BACKWARD}")
-    for row in table:
-        if row["note"]:
-            print(f"{row['what']}: {row['note']}")
+    lines.append(f"launches: {timing.launch_unit(args.device)} in one call")
+    for index, table in enumerate(runs, 1):
+        if args.runs > 1:
+            lines.append(f"run {index} of {args.runs}:")
+        lines.append(format_table(table))
+    spans = ranges(runs) if args.runs > 1 else None
+    if spans is not None:
+        lines.append(format_ranges(spans, len(runs)))
+    report = "\n".join(lines)
+    if args.out is None:
+        print(report)
+    else:
+        label = provenance.device_name(device)
+        if device.type == "cpu":
+            label += f" ({threads} thread{'s' if threads > 1 else ''})"
+        arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        meta = {
+            "arguments": arguments,
+            "cpu_threads": threads,
+            "interrupted": stopped,  # save_report marks the files partial
+            "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+            "python": platform.python_version(),
+        }
+        kind = f"host-{args.tensors}x{args.numel}-{args.dtype}"
+        provenance.save_report(args.out, device, label, kind, {"meta": meta, "runs": runs, "ranges": spans}, report)
     return 143 if stopped and stopped["signal"] == "SIGTERM" else 130 if stopped else 0
 
 

@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["facts", "git_commit", "git_tree", "package_version", "slug", "save_report"]
+__all__ = ["cpu_name", "device_name", "facts", "git_commit", "git_tree", "package_version", "slug", "save_report"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,6 +173,25 @@ def facts(device: torch.device | str) -> dict:
         "cuda_driver_version": _driver_version(device),
         "triton": package_version("triton", "pytorch-triton"),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says of the processor or machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name for a CUDA device, else ``CPU <model name>``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {cpu_name()}"
 
 
 def slug(text: str) -> str:

@@ -66,18 +66,6 @@ def default_out() -> Path:
     return Path(cache) / "gafused" / "bench"
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"CPU {line.split(':', 1)[1].strip()}"
-    except OSError:
-        pass
-    return f"CPU {platform.processor() or platform.machine()}"
-
-
 def _load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
@@ -613,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     selection = None if args.kernels_only else _selection(args, device, mode)  # (the sweep takes none of them)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    device_label = _device_name(device)
+    device_label = provenance.device_name(device)
     if device.type == "cpu":
         device_label += f" ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     now = datetime.datetime.now(datetime.timezone.utc)

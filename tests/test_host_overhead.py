@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import sys
 from pathlib import Path
 
@@ -133,3 +134,103 @@ def test_a_missed_layout_match_is_explained():
 def test_rows_reject_bad_sizes():
     with pytest.raises(ValueError, match="tensors"):
         host_overhead.rows(tensors=0, numel=3, dtype=torch.float32)
+
+
+def _fake_run(medians: list[float], interrupted: dict | None = None) -> list[dict]:
+    """Rows as ``rows()`` returns them: the baseline, one fold and the backward loop beside plain backward."""
+    names = [("torch._foreach_add_", "-"), ("fold_", "foreach"), (host_overhead.PLAIN_BACKWARD, "-"),
+             (host_overhead.BACKWARD_LOOP, "foreach")]  # fmt: skip
+    table = [
+        {"what": what, "backend": backend, "tensors": 2, "numel": 3, "median_us": median, "q20_us": median,
+         "q80_us": median, "launches": 2, "reps": 3, "interrupted": interrupted, "note": None}
+        for (what, backend), median in zip(names, medians, strict=True)
+    ]  # fmt: skip
+    for row in table:
+        row["ratio"] = row["median_us"] / medians[0]
+        row["x_plain_backward"] = row["median_us"] / medians[2] if row["what"] == host_overhead.BACKWARD_LOOP else None
+    return table
+
+
+def test_ranges_hold_each_rows_least_and_greatest_over_the_runs():
+    runs = [_fake_run([10.0, 15.0, 40.0, 60.0]), _fake_run([20.0, 26.0, 50.0, 55.0]), _fake_run([16.0, 24, 44, 66])]
+    spans = host_overhead.ranges(runs)
+    assert [(span["what"], span["backend"]) for span in spans] == [(r["what"], r["backend"]) for r in runs[0]]
+    fold, loop = spans[1], spans[3]
+    assert fold["median_us"] == [15.0, 26.0] and fold["ratio"] == [1.3, 1.5] and fold["x_plain_backward"] is None
+    assert loop["median_us"] == [55.0, 66.0] and loop["x_plain_backward"] == [1.1, 1.5]
+    assert spans[0]["ratio"] == [1.0, 1.0]
+    table = host_overhead.format_ranges(spans, 3)
+    assert table.splitlines()[0] == "over 3 runs (least-greatest of the runs' medians):"
+    assert "15.0-26.0" in table and "1.30-1.50" in table and "1.10-1.50" in table
+    with pytest.raises(ValueError, match="run 2 has other rows than run 1"):
+        host_overhead.ranges([runs[0], runs[1][:3]])
+    with pytest.raises(ValueError, match="at least one run"):
+        host_overhead.ranges([])
+
+
+def test_runs_are_measured_one_after_another_and_saved_with_their_ranges(tmp_path, capsys):
+    out = tmp_path / "results"
+    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "3", "--runs", "2", "--out", str(out)]) == 0
+    (path,) = out.glob("*-host-2x3-fp32.json")
+    saved = json.loads(path.read_text())
+    assert len(saved["runs"]) == 2 and saved["runs"][0] is not saved["runs"][1]
+    assert saved["runs"][0] != saved["runs"][1]  # two measurements, not one saved twice
+    assert saved["ranges"] == host_overhead.ranges(saved["runs"])
+    meta = saved["meta"]
+    assert meta["complete"] is True and meta["interrupted"] is None and meta["cpu_threads"] == 1
+    assert meta["arguments"]["runs"] == 2 and meta["arguments"]["tensors"] == 2 and meta["device"].startswith("CPU")
+    report = path.with_suffix(".txt").read_text()
+    assert report == capsys.readouterr().out
+    assert "run 1 of 2:" in report and "run 2 of 2:" in report and "over 2 runs" in report
+    # One run prints one table as before: no run headers, no ranges.
+    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "run 1 of" not in printed and "over 1 runs" not in printed and "torch._foreach_add_" in printed
+
+
+def test_a_bad_run_count_or_out_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(host_overhead, "rows", lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--runs", "0"])
+    assert "--runs must be at least 1, got 0" in capsys.readouterr().err
+    occupied = tmp_path / "file"
+    occupied.write_text("")
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--out", str(occupied)])
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_a_stop_keeps_the_runs_taken_and_saves_them_as_partial(tmp_path, monkeypatch, capsys):
+    import interrupt
+
+    taken = []
+
+    def second_run_stopped(*args, **kwargs):
+        if taken:
+            raise interrupt.Interrupted("SIGTERM")
+        taken.append(_fake_run([10.0, 15.0, 40.0, 60.0]))
+        return taken[-1]
+
+    monkeypatch.setattr(host_overhead, "rows", second_run_stopped)
+    assert host_overhead.main(["--runs", "3", "--out", str(tmp_path)]) == 143
+    (path,) = tmp_path.glob("*-host-1024x64-fp32.json")
+    saved = json.loads(path.read_text())
+    assert saved["runs"] == taken and saved["meta"]["complete"] is False
+    assert saved["meta"]["interrupted"] == {"signal": "SIGTERM", "during": "run 2 of 3, before two rounds"}
+    assert path.with_suffix(".txt").read_text().startswith("PARTIAL RESULTS: stopped by SIGTERM during run 2 of 3")
+    capsys.readouterr()
+    # A run stopped after two rounds is kept, partial, and no run follows it.
+    calls = []
+
+    def first_run_partial(*args, **kwargs):
+        calls.append(1)
+        return _fake_run([10.0, 15.0, 40.0, 60.0], {"signal": "KeyboardInterrupt", "during": "sampling"})
+
+    monkeypatch.setattr(host_overhead, "rows", first_run_partial)
+    assert host_overhead.main(["--runs", "3"]) == 130
+    assert len(calls) == 1
+    assert capsys.readouterr().out.startswith("PARTIAL RESULTS: stopped by KeyboardInterrupt during sampling")
+    # Stopped before any run had two rounds: nothing to show or save.
+    monkeypatch.setattr(host_overhead, "rows", lambda *a, **k: (_ for _ in ()).throw(interrupt.Interrupted("SIGTERM")))
+    assert host_overhead.main(["--runs", "2", "--out", str(tmp_path / "none")]) == 143
+    assert "no table" in capsys.readouterr().out and not (tmp_path / "none").exists()
