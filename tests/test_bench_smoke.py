@@ -473,6 +473,77 @@ def test_the_readme_framework_exactness_tables_are_the_committed_reports() -> No
     assert "`frameworks-cases-cpu.md`" in (ROOT / "bench" / "results" / "README.md").read_text()
 
 
+def test_the_readme_cpu_host_cost_figures_are_the_committed_runs() -> None:
+    """Every host-cost figure of README "Benchmarks" is read from the three committed ``host_overhead.py --runs 3``
+    files it cites, which the results index lists."""
+    import host_overhead
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("Host cost of a middle micro-step") : readme.index("**GPU: ")]
+    flat = " ".join(section.split())
+    cited = re.findall(r"`(bench/results/[^`]+-host-[^`]+\.json)`", flat)
+    index = (ROOT / "bench" / "results" / "README.md").read_text()
+    files = {}
+    for path in cited:
+        saved = json.loads((ROOT / path).read_text())
+        assert saved["meta"]["complete"] and saved["meta"]["device"].startswith("CPU") and len(saved["runs"]) == 3
+        assert saved["ranges"] == host_overhead.ranges(saved["runs"])
+        assert path.removeprefix("bench/results/") in index
+        args = saved["meta"]["arguments"]
+        files[(args["tensors"], args["numel"], args["dtype"], saved["meta"]["triton_interpret"])] = saved
+    assert sorted(files) == [(148, 64, "bf16", "1"), (148, 4096, "fp32", None), (1024, 64, "fp32", None)]
+
+    def rows(saved: dict, what: str, backend: str = "-") -> list[dict]:
+        return [next(r for r in run if (r["what"], r["backend"]) == (what, backend)) for run in saved["runs"]]
+
+    def span(saved: dict, what: str, backend: str = "-", field: str = "ratio", spec: str = ".2f") -> str:
+        values = [row[field] for row in rows(saved, what, backend)]
+        return f"{min(values):{spec}}-{max(values):{spec}}"
+
+    small, wide, triton = (
+        files[(1024, 64, "fp32", None)],
+        files[(148, 4096, "fp32", None)],
+        files[(148, 64, "bf16", "1")],
+    )
+    baseline, plain, loop = "torch._foreach_add_", host_overhead.PLAIN_BACKWARD, host_overhead.BACKWARD_LOOP
+    assert f"same tensors ({span(small, baseline, field='median_us', spec='.0f')} us interleaved" in flat
+    alone = span(small, f"{baseline} alone, before profiling", field="median_us", spec=".0f")
+    assert f"{alone} us called back to back" in flat
+    assert f"`ops.fold_` with its gradient check {span(small, 'fold_', 'foreach')}x" in flat
+    assert f"without it {span(small, 'fold_ check=False', 'foreach')}x" in flat
+    assert f"`GradAccumulator.step()` {span(small, 'step', 'foreach')}x" in flat
+    assert f"reading every `p.grad` ({span(small, 'read p.grad')}x)" in flat
+    assert f"setting each to None ({span(small, 'release p.grad')}x)" in flat
+    assert f"takes {span(small, loop, 'foreach', 'x_plain_backward')}x plain PyTorch's" in flat
+    assert f"adding into `.grad` ({span(small, plain, field='median_us', spec='.0f')} us;" in flat
+    per_parameter = [
+        (mine["median_us"] - theirs["median_us"]) / mine["tensors"]
+        for mine, theirs in zip(rows(small, loop, "foreach"), rows(small, plain), strict=True)
+    ]
+    assert f"{min(per_parameter):.1f}-{max(per_parameter):.1f} us more per parameter" in flat
+    assert f"the `reference` backend {span(small, loop, 'reference', 'x_plain_backward')}x" in flat
+    floor = [
+        read["ratio"] + release["ratio"]
+        for read, release in zip(rows(wide, "read p.grad"), rows(wide, "release p.grad"), strict=True)
+    ]
+    assert f"that floor is {min(floor):.2f}-{max(floor):.2f}x" in flat
+    assert f"`ops.fold_` {span(wide, 'fold_', 'foreach')}x, `step()` {span(wide, 'step', 'foreach')}x" in flat
+    # The baseline alone before and after the profiled calls, run by run: how many within 4%, and the others.
+    before, after = f"{baseline} alone, before profiling", f"{baseline} alone, after profiling"
+    after_before = [
+        second["median_us"] / first["median_us"]
+        for saved in (small, wide, triton)
+        for first, second in zip(rows(saved, before), rows(saved, after), strict=True)
+    ]
+    close = [abs(ratio - 1) <= 0.04 for ratio in after_before]
+    assert sum(close) == 8 and not close[5], "eight of the nine, all but the 148 x 4096 file's third run"
+    assert f"the second is {after_before[5]:.2f}x the first" in flat
+    assert f"`ops.fold_` {span(triton, 'fold_', 'triton-host')}x the same run's `torch._foreach_add_`" in flat
+    assert f"({span(triton, baseline, field='median_us', spec='.0f')} us), a whole `step()`" in flat
+    assert f"`step()` {span(triton, 'step', 'triton-host')}x." in flat
+    assert f"(`fold_ check=False`, {span(triton, 'fold_ check=False', 'triton-host')}x)" in flat
+
+
 def test_the_readme_h100_test_counts_are_the_committed_log() -> None:
     log = (ROOT / "bench" / "results" / "nvidia-h100-80gb-hbm3-20261126-172216-gpu-check-tests.log").read_text()
     collected = int(re.search(r"workers \[(\d+) items\]", log).group(1))
