@@ -10,16 +10,21 @@ Agreement with the reference (``gafused/reference.py``):
   ``add_(grad, alpha=weight)`` per segment, as the reference's CPU path; elsewhere the weight stays on the device
   and the rounding is ``acc + (grad * weight)`` with the product in the buffer's dtype, as the reference's device
   path.
-- sums of squares: the per-segment 2-norms are computed in float64 and squared there, as the reference adds its
-  squares in float64. For a float32 buffer the results are within a few float32 ulps of each other; for a float64
-  one they are float64 sums in different orders, apart by their rounding, which grows with the element count
-  (27 float64 ulps for a segment of a million normal values).
+- sums of squares: 2-norms are computed in float64 and squared there, as the reference adds its squares in
+  float64: per segment when asked for per segment; for the total, per run of segments (below; on CPU a float32
+  buffer's runs in pieces no longer than its longest segment). For a float32 buffer the results are within a few
+  float32 ulps of each other; for a float64 one they are float64 sums in different orders, apart by their
+  rounding, which grows with the element count (27 float64 ulps for a million normal values).
   They are deterministic: the same inputs give the same bits.
 
 Segment views are made once per buffer and kept (a view per segment costs more host time than the add it
 feeds); they are shaped like the gradients of the call, which ``torch._foreach_*`` needs, and rebuilt only when
-those shapes change. Gradients from ``gafused.ops.check_grads`` carry their shapes, shared by every call with the
-same layout, so most calls see by identity that the views still fit.
+those shapes change. Ops that treat every element alike (the window scale, ``scale_``, a first fold's weight, the
+total sum of squares) take instead one view per run of segments that follow one another with no padding between
+them: segments whose sizes are multiples of the alignment (most of a transformer's) make long runs, so those ops
+cost a few tensors per buffer instead of one per parameter, and padding is never read or written. Gradients from
+``gafused.ops.check_grads`` carry their shapes, shared by every call with the same layout, so most calls see by
+identity that the views still fit.
 
 Memory: folds and scales work in place. What needs a temporary (a gradient converted to the buffer's dtype on CPU,
 the weighted products off the CPU, the float64 copy a CPU norm makes, the products ``scale_`` casts into ``out``)
@@ -65,6 +70,10 @@ class _Views:
         self.shaped: list[torch.Tensor] = []
         self.missing = False  # whether the gradients of ``shapes`` include None
         self._longer_than: dict[int, list[int]] = {}
+        self.longest = max(self.numels, default=0)
+        self.run_bounds = _runs(self.offsets, self.numels)
+        self.runs = _split_runs(acc.detach(), self.run_bounds)
+        self._run_pieces: dict[int, list[torch.Tensor]] = {}
 
     def longer_than(self, limit: int) -> list[int]:
         """Indices of the segments with more than ``limit`` elements (made once per limit)."""
@@ -72,6 +81,37 @@ class _Views:
         if indices is None:
             indices = self._longer_than[limit] = [i for i, numel in enumerate(self.numels) if numel > limit]
         return indices
+
+    def run_pieces(self, limit: int) -> list[torch.Tensor]:
+        """``runs`` cut into pieces of at most ``limit`` elements (made once per limit)."""
+        pieces = self._run_pieces.get(limit)
+        if pieces is None:
+            pieces = self._run_pieces[limit] = [run[start : start + limit] for run in self.runs
+                                                for start in range(0, run.numel(), limit)]  # fmt: skip
+        return pieces
+
+
+def _runs(offsets: list[int], numels: list[int]) -> list[tuple[int, int]]:
+    """(start, elements) of each run of segments that follow one another with no padding between them, in order;
+    runs without elements are left out. Elementwise ops and sums over all segments can take one view per run
+    instead of one per segment: on CPU an op per tensor, so a layout of thousands of small segments (which need no
+    padding when their sizes are multiples of the alignment) costs a few ops instead of thousands."""
+    runs: list[tuple[int, int]] = []
+    start = end = None
+    for offset, numel in zip(offsets, numels, strict=True):
+        if offset != end:
+            if end is not None and end > start:
+                runs.append((start, end - start))
+            start = offset
+        end = offset + numel
+    if end is not None and end > start:
+        runs.append((start, end - start))
+    return runs
+
+
+def _split_runs(data: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """1-D views of flat ``data`` over ``runs`` (``_runs``)."""
+    return [data[start : start + numel] for start, numel in runs]
 
 
 def _split(data: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
@@ -194,8 +234,11 @@ def fold_(
         # multi-tensor copy takes its one-launch path only when every source has the same dtype.
         for indices in _by_dtype(grads).values():
             torch._foreach_copy_([segments[i] for i in indices], [grads[i] for i in indices])
-        if grads:
-            torch._foreach_mul_(segments, w)
+        # Without a missing gradient the runs cover exactly the segments just written (with one, the zeros written
+        # stay zeros whatever the weight, as the reference writes them); no elements, nothing to multiply.
+        weighted = segments if views.missing else views.runs
+        if weighted:
+            torch._foreach_mul_(weighted, w)
     elif _host_scalars(acc.device):
         # add_ converts a gradient of another dtype into a temporary as large as the gradient: long ones in pieces.
         # A float64 gradient into a float32 buffer is added in float64: the buffer's piece and the sum converted too,
@@ -308,11 +351,24 @@ def fold_finish_(
     """
     fold_(acc, grads, offsets, numels, weight, first)
     views = _views(acc, offsets, numels)
-    if views.flat:  # (a layout of no segments: nothing to scale; foreach ops refuse empty lists)
-        torch._foreach_mul_(views.flat, scale.to(acc.dtype))
-    squares = _squares(views, acc)
-    total = squares.sum()
-    return total.to(acc.dtype), _nonfinite(views.flat, total, acc)
+    if views.runs:  # (no elements: nothing to scale; foreach ops refuse empty lists)
+        torch._foreach_mul_(views.runs, scale.to(acc.dtype))
+    total = _total_squares(views, acc)
+    return total.to(acc.dtype), _nonfinite(views.runs, total, acc)
+
+
+def _total_squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of every segment, in float64 (0-d): the 2-norms of the runs (``_runs``) in float64,
+    squared and summed; on CPU a float32 buffer's runs in pieces, since a float64 norm there first copies its
+    input to float64."""
+    if not views.runs:
+        return torch.zeros((), dtype=torch.float64, device=acc.device)
+    pieces = views.runs
+    if acc.device.type == "cpu" and acc.dtype != torch.float64:
+        # Pieces no longer than the longest segment, whose float64 copy a norm per segment would make anyway: the
+        # copies never outgrow it, so the peak stays where it was (and within CHUNK_BYTES).
+        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), views.longest))
+    return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
 
 
 def _squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
@@ -365,8 +421,8 @@ def sum_of_squares(acc: torch.Tensor, offsets: list[int], numels: list[int], per
         numels: elements of each segment.
         per_segment: one value per segment instead of the total.
     """
-    squares = _squares(_views(acc, offsets, numels), acc)
-    return (squares if per_segment else squares.sum()).to(acc.dtype)
+    views = _views(acc, offsets, numels)
+    return (_squares(views, acc) if per_segment else _total_squares(views, acc)).to(acc.dtype)
 
 
 def scale_(
@@ -387,13 +443,15 @@ def scale_(
     """
     views = _views(acc, offsets, numels)
     c = coef.to(acc.dtype)
-    if not views.flat:
+    if not views.runs:
         return
     if out is None:
-        torch._foreach_mul_(views.flat, c)
+        torch._foreach_mul_(views.runs, c)
         return
     limit = _chunk_elements(acc.device, acc.element_size())
-    segments, targets = _cut(views.flat, _split(out, offsets, numels), views.longer_than(limit), limit)
+    # out has acc's layout: the same runs, cut into the same pieces.
+    segments = views.run_pieces(limit)
+    targets = [piece for run in _split_runs(out, views.run_bounds) for piece in run.split(limit)]
     for part in _chunks(segments, limit):
         # The product in acc's dtype, then one cast into out's dtype: what torch.mul(..., out=target) rounds to.
         torch._foreach_copy_(targets[part], torch._foreach_mul(segments[part], c))

@@ -200,3 +200,98 @@ def test_cached_views_do_not_keep_a_buffer_alive():
 def test_layout_outside_acc_is_rejected():
     with pytest.raises(ValueError, match="outside acc"):
         foreach_backend.sum_of_squares(torch.zeros(8), [4], [5], per_segment=False)
+
+
+# Segments that follow one another with no padding (multiples of 16 fp32 elements, the 64-byte alignment) make runs:
+# 1024 + 7 x 16 elements, then one of 17 (padding after it), then 5 x 16 more.
+RUN_SHAPES = [(1024,)] + [(4, 4)] * 7 + [(17,)] + [(16,)] * 5
+
+
+class _ForeachLists(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the tensor lists handed to ``torch._foreach_*`` ops, by op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lists: dict[str, list[list[torch.Tensor]]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith("_foreach_"):
+            self.lists.setdefault(name, []).append(list(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_runs_cover_the_segments_exactly_and_break_at_padding():
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES + [(0,), (3,), (0,)]])
+    runs = foreach_backend._runs(buffer.offsets, buffer.numels)
+    covered = {i for start, numel in runs for i in range(start, start + numel)}
+    segments = {
+        i for start, numel in zip(buffer.offsets, buffer.numels, strict=True) for i in range(start, start + numel)
+    }
+    assert covered == segments and sum(numel for _, numel in runs) == len(segments)
+    assert all(numel > 0 for _, numel in runs)
+    # Maximal: padding between every two runs; the 17-element segment ends the first, and segments without elements
+    # break nothing.
+    assert all(start + numel < following for (start, numel), (following, _) in zip(runs, runs[1:], strict=False))
+    assert [numel for _, numel in runs] == [1024 + 7 * 16 + 17, 5 * 16 + 3]
+    assert foreach_backend._runs([], []) == [] and foreach_backend._runs([0, 16], [0, 0]) == []
+
+
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+@pytest.mark.parametrize("host", [True, False], ids=["host_path", "device_path"])
+def test_ops_over_runs_are_bitwise_the_reference_and_leave_padding_alone(host, chunk, monkeypatch):
+    """Scales and first folds take one view per run of segments; the padding between runs (poisoned here) is never
+    read into a result or written."""
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: host)
+    monkeypatch.setattr(reference, "_host_scalars", lambda device: host)
+    generator = torch.Generator().manual_seed(11)
+    params = [torch.empty(shape) for shape in RUN_SHAPES]
+    candidate, expected = FlatGradBuffer(params), FlatGradBuffer(params)
+    poison = torch.full((candidate.numel,), float("nan"))
+    candidate.data.copy_(poison)
+    expected.data.copy_(poison)
+    for first, missing in ((True, {3}), (True, set()), (False, {0})):
+        grads = _grads(candidate, torch.bfloat16, generator, missing)
+        ops.fold_(candidate, grads, torch.tensor(0.7), first=first, backend="foreach")
+        ops.fold_(expected, grads, torch.tensor(0.7), first=first, backend="reference")
+        assert torch.equal(candidate.data.nan_to_num(7.0), expected.data.nan_to_num(7.0))
+    grads = _grads(candidate, torch.float32, generator)
+    total, flag = ops.fold_finish_(candidate, grads, 0.3, 1 / 3, first=False, backend="foreach")
+    expected_total, _ = ops.fold_finish_(expected, grads, 0.3, 1 / 3, first=False, backend="reference")
+    assert torch.equal(candidate.data.nan_to_num(7.0), expected.data.nan_to_num(7.0)) and not flag
+    exact = sum(candidate.segment(i).double().square().sum() for i in range(len(candidate)))
+    torch.testing.assert_close(total.double(), exact, rtol=1e-7, atol=0)
+    torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
+    for out_dtype in (None, torch.bfloat16):
+        out = expected_out = None
+        if out_dtype is not None:
+            out, expected_out = (torch.full((candidate.numel,), 3.0, dtype=out_dtype) for _ in range(2))
+        ops.scale_(candidate, torch.tensor(0.37), out=out, backend="foreach")
+        ops.scale_(expected, torch.tensor(0.37), out=expected_out, backend="reference")
+        assert torch.equal(candidate.data.nan_to_num(7.0), expected.data.nan_to_num(7.0))
+        assert out is None or torch.equal(out, expected_out)
+    padding = torch.ones(candidate.numel, dtype=torch.bool)
+    for index in range(len(candidate)):
+        padding[candidate.offsets[index] : candidate.offsets[index] + candidate.numels[index]] = False
+    assert padding.any() and candidate.data[padding].isnan().all()
+
+
+def test_a_finishing_fold_scales_and_measures_runs_not_segments():
+    """On CPU: the window scale is one multiply per run of segments, and the sum of squares the float64 norms of the
+    runs in pieces no longer than the longest segment (whose float64 copy a norm per segment made anyway)."""
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
+    grads = [torch.ones(shape) for shape in RUN_SHAPES]
+    layout = (buffer.data, grads, buffer.offsets, buffer.numels)
+    foreach_backend.fold_(*layout, torch.tensor(1.0), True)
+    with _ForeachLists() as seen:  # (the backend itself: a mode sees a gafused custom op as one call)
+        total, _ = foreach_backend.fold_finish_(*layout, torch.tensor(1.0), torch.tensor(0.5), False)
+    assert total.item() == sum(buffer.numels)  # every element 1.0 after the scale
+    (scaled,) = seen.lists["_foreach_mul_"]
+    assert [tensor.numel() for tensor in scaled] == [1024 + 7 * 16 + 17, 5 * 16]
+    (normed,) = seen.lists["_foreach_norm"]
+    assert [tensor.numel() for tensor in normed] == [1024, 7 * 16 + 17, 5 * 16]
+    assert max(tensor.numel() for tensor in normed) <= max(buffer.numels)
+    with _ForeachLists() as seen:
+        foreach_backend.fold_(*layout, torch.tensor(2.0), True)
+    assert [len(tensors) for tensors in seen.lists["_foreach_mul_"]] == [2]
