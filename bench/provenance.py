@@ -11,7 +11,8 @@ themselves, tracked and untracked but not ignored, read from disk: what ``git ad
 print, computed without writing anything to the repository. A clean checkout's is ``git rev-parse HEAD^{tree}``;
 for any other, ``git log --format='%h %T' | grep <tree>`` finds the commit whose files ran, if there is one.
 Untracked files count (``git_untracked`` names them), results written inside the tree included, and clean or
-smudge filters (line endings, LFS) are not applied.
+smudge filters (line endings, LFS) are not applied. An untracked repository of its own inside the checkout counts
+as the commit it has checked out, as ``git add --all`` records it; one with no commit leaves ``git_tree`` None.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +114,14 @@ def git_tree(root: Path = _ROOT) -> dict:
         mode, object_id, _stage = info.split()
         files[path] = (mode, bytes.fromhex(object_id.decode())) if mode == b"160000" else None
     untracked = [path for path in filter(None, others.split(b"\0"))]
-    files.update(dict.fromkeys(untracked))
+    for path in untracked:
+        if path.endswith(b"/"):  # a git repository of its own: `git add --all` adds its checked-out commit
+            head = _run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root / os.fsdecode(path))
+            if head is None:  # none checked out: `git add --all` would refuse it, so no tree says what is on disk
+                return {**unknown, "git_tree_dirty": True, "git_untracked": _listed(untracked)}
+            files[path.rstrip(b"/")] = (b"160000", bytes.fromhex(head))
+        else:
+            files[path] = None
     tree: dict = {}
     for path, gitlink in sorted(files.items()):
         on_disk = root / os.fsdecode(path)
@@ -121,7 +130,7 @@ def git_tree(root: Path = _ROOT) -> dict:
         elif on_disk.is_symlink():
             entry = (b"120000", _git_object(b"blob", os.fsencode(os.readlink(on_disk))))
         elif on_disk.is_file():
-            executable = os.access(on_disk, os.X_OK)
+            executable = bool(on_disk.stat().st_mode & stat.S_IXUSR)  # git's test: the owner's execute bit
             entry = (b"100755" if executable else b"100644", _git_object(b"blob", on_disk.read_bytes()))
         else:
             continue  # deleted since it was staged: `git add --all` would drop it too
@@ -134,8 +143,13 @@ def git_tree(root: Path = _ROOT) -> dict:
     return {
         "git_tree": tree_id,
         "git_tree_dirty": None if head_tree is None else tree_id != head_tree,
-        "git_untracked": sorted(os.fsdecode(path) for path in untracked)[:50],
+        "git_untracked": _listed(untracked),
     }
+
+
+def _listed(untracked: list[bytes]) -> list[str]:
+    """The first 50 untracked paths, sorted (a repository of its own ends in '/')."""
+    return sorted(os.fsdecode(path) for path in untracked)[:50]
 
 
 def package_version(*names: str) -> str | None:

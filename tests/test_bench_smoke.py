@@ -1635,3 +1635,175 @@ def test_the_kernel_sweep_alone_takes_no_micro_benchmark_options(monkeypatch, tm
     argv = ["--quick", "--no-progress", "--device", "cpu", "--out", str(tmp_path / "out"), "--no-plots"]
     run.main([*argv, "--kernels-only", "--providers", ",".join(_UNTIMED_ON_CPU)])
     assert reached == [None]
+
+
+def test_git_tree_orders_folders_and_keeps_links_and_deletions_as_git_does(tmp_path) -> None:
+    """A folder sorts as if its name ended in '/' (``a.py`` before ``a/``), a symlink is its target's path, a
+    deleted tracked file is left out, and every untracked file is named: the tree is ``git add --all``'s."""
+    import provenance
+
+    if _git("--version") is None:
+        pytest.skip("git is not installed")
+
+    def git(*args: str) -> str:
+        identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
+        done = subprocess.run(["git", *identity, *args], cwd=tmp_path, capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.py").write_text("x = 1\n")
+    (tmp_path / "a.py").write_text("a = 1\n")
+    (tmp_path / "gone.py").write_text("g = 1\n")
+    (tmp_path / "link").symlink_to("a.py")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    assert provenance.git_tree(tmp_path)["git_tree"] == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "gone.py").unlink()
+    (tmp_path / "new2.py").write_text("n = 2\n")
+    (tmp_path / "new1.py").write_text("n = 1\n")
+    moved = provenance.git_tree(tmp_path)
+    assert moved["git_untracked"] == ["new1.py", "new2.py"] and moved["git_tree_dirty"] is True
+    git("add", "-A")
+    assert moved["git_tree"] == git("write-tree")
+
+
+def test_the_cpu_name_is_procs_model_name() -> None:
+    import provenance
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    if model is None:
+        pytest.skip("/proc/cpuinfo names no model here")
+    assert provenance.cpu_name() == model and provenance.device_name("cpu") == f"CPU {model}"
+
+
+def test_interrupt_exit_statuses_and_a_second_sigterm_inside_the_block(monkeypatch):
+    """143 for SIGTERM, 130 for Ctrl-C; once a SIGTERM raised, a second one in the same block is ignored (the
+    script is writing what it measured); sigterm_ignored puts back the handler it found."""
+    import signal
+
+    import interrupt
+
+    assert interrupt.exit_status(interrupt.Interrupted("SIGTERM")) == 143
+    assert interrupt.exit_status(KeyboardInterrupt()) == 130
+    monkeypatch.setattr(interrupt, "_fired", False)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def mine(signum, frame):  # noqa: ANN001, ANN202
+        raise AssertionError("the handler sigterm_ignored replaced ran")
+
+    try:
+        signal.signal(signal.SIGTERM, mine)
+        with interrupt.sigterm_ignored():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is mine
+        with interrupt.sigterm_raises():
+            with pytest.raises(interrupt.Interrupted):
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(10**7):
+                    pass
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_gpu_check_host_summary_says_partial(tmp_path) -> None:
+    import host_overhead
+
+    rows = host_overhead.rows(tensors=3, numel=2, reps=3, warmup=1)
+    stopped = "PARTIAL RESULTS: stopped by SIGTERM during sampling, after 3 of 500 rounds"
+    log = f"{stopped}\n{host_overhead.format_table(rows)}"
+    env = _gpu_check_tree(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "gpu-host.log").write_text(log + "\n")
+    done = _gpu_check(tmp_path, env, "detail_of host")
+    steps = [f"{row['backend']} {row['ratio']:.2f}x" for row in rows if row["what"] == "step"]
+    assert done.stdout.strip() == ";".join(["partial", *steps])
+
+
+_IGNORES_SIGTERM = """import signal, sys, time
+if sys.argv[1:2] == ["-c"]:
+    sys.exit(1)  # have_matplotlib: no
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("measuring", flush=True)
+time.sleep(60)
+"""
+
+
+def test_gpu_check_phase_killed_after_its_grace_is_timed_out(tmp_path) -> None:
+    env = {**_gpu_check_tree(tmp_path, _IGNORES_SIGTERM), "GPU_CHECK_GRACE_S": "1"}
+    done = _gpu_check(tmp_path, env, "run_phase kernels 1; echo status=$?")
+    assert "== kernels: TIMED OUT" in done.stdout and "status=1" in done.stdout
+
+
+def _gpu_check_main(tmp_path: Path, env: dict[str, str], phases: str, defined: str) -> subprocess.CompletedProcess:
+    """``main PHASES`` of the sourced script with the phase functions of ``defined`` in place of the real ones."""
+    names = " ".join(re.findall(r"(phase_[a-z_0-9]+)\(\)", defined))
+    script = f"{defined}\nexport -f {names}\nmain {phases}"
+    return _gpu_check(tmp_path, env, script)
+
+
+def test_gpu_check_main_stops_after_a_failed_build_and_reports_the_budget(tmp_path) -> None:
+    env = _gpu_check_tree(tmp_path)
+    out = tmp_path / "out"
+    fakes = """phase_build() { echo building; return 1; }
+phase_kernels() { echo ran > "$out/kernels-ran"; }
+phase_env() { sleep "${ENV_SLEEP:-0}"; return "${ENV_STATUS:-0}"; }
+phase_sanitize() { echo "compute-sanitizer not found" > "$(log sanitize)"; return 77; }"""
+    # A failed build: nothing after it runs, the call fails with 1.
+    done = _gpu_check_main(tmp_path, env, "build kernels", fakes)
+    assert done.returncode == 1 and not (out / "kernels-ran").exists()
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].split()[:3] == ["build", "FAILED", "(1)"] and summary[1].split()[:3] == ["later", "not", "run"]
+    # A skipped phase (no compute-sanitizer) is no failure.
+    done = _gpu_check_main(tmp_path, env, "sanitize", fakes)
+    assert done.returncode == 0 and "sanitize   skipped" in done.stdout
+    # No phase starts with less than 20 s: 24 s of budget less 5 of grace leaves 19 -> not run, status 3.
+    done = _gpu_check_main(tmp_path, {**env, "GPU_CHECK_BUDGET_S": "24"}, "env", fakes)
+    assert done.returncode == 3 and "budget of 24 s spent" in done.stdout
+    # A phase that fails and spends the budget: the next is not run, and the status says the failure (1), not 3.
+    slow = {**env, "GPU_CHECK_BUDGET_S": "27", "ENV_SLEEP": "3", "ENV_STATUS": "1"}
+    done = _gpu_check_main(tmp_path, slow, "env kernels", fakes)
+    assert done.returncode == 1 and not (out / "kernels-ran").exists()
+    assert "kernels    not run" in done.stdout and "budget of 27 s spent" in done.stdout
+
+
+def test_git_tree_reads_the_execute_bit_and_nested_repositories_as_git_add_does(tmp_path) -> None:
+    """A file is 100755 when its owner may execute it (git's test, whoever runs the check); an untracked repository
+    of its own is the commit it has checked out, as ``git add --all`` adds it, and one with no commit leaves no tree
+    to name."""
+    import provenance
+
+    if _git("--version") is None:
+        pytest.skip("git is not installed")
+
+    def git(*args: str, cwd: Path = tmp_path) -> str:
+        identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
+        done = subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "run.sh").write_text("echo\n")
+    (tmp_path / "run.sh").chmod(0o654)  # group and others may execute, the owner may not: not executable to git
+    (tmp_path / "tool.sh").write_text("echo\n")
+    (tmp_path / "tool.sh").chmod(0o744)
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    clean = provenance.git_tree(tmp_path)
+    assert clean["git_tree"] == git("rev-parse", "HEAD^{tree}") and clean["git_tree_dirty"] is False
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    git("init", "-q", cwd=inner)
+    (inner / "x.py").write_text("x = 1\n")
+    unborn = provenance.git_tree(tmp_path)
+    assert unborn["git_tree"] is None and unborn["git_tree_dirty"] is True and unborn["git_untracked"] == ["inner/"]
+    git("add", "-A", cwd=inner)
+    git("commit", "-q", "-m", "inner", cwd=inner)
+    nested = provenance.git_tree(tmp_path)
+    assert nested["git_untracked"] == ["inner/"] and nested["git_tree_dirty"] is True
+    git("add", "-A")
+    assert nested["git_tree"] == git("write-tree")

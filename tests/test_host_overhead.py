@@ -234,3 +234,160 @@ def test_a_stop_keeps_the_runs_taken_and_saves_them_as_partial(tmp_path, monkeyp
     monkeypatch.setattr(host_overhead, "rows", lambda *a, **k: (_ for _ in ()).throw(interrupt.Interrupted("SIGTERM")))
     assert host_overhead.main(["--runs", "2", "--out", str(tmp_path / "none")]) == 143
     assert "no table" in capsys.readouterr().out and not (tmp_path / "none").exists()
+
+
+class _Clock:
+    """``time`` for host_overhead: each perf_counter call moves 1 us on (plus what ``spend`` adds); SIGTERM's
+    exception on call ``calls`` + 1 when ``calls`` is given."""
+
+    def __init__(self, calls: int | None = None) -> None:
+        self.calls, self.now = calls, 0.0
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+    def perf_counter(self) -> float:
+        import interrupt
+
+        if self.calls is not None:
+            self.calls -= 1
+            if self.calls < 0:
+                raise interrupt.Interrupted("SIGTERM")
+        self.now += 1e-6
+        return self.now
+
+
+def test_each_rows_median_and_quantiles_are_of_its_own_samples(monkeypatch):
+    """median_us, q20_us and q80_us are the median and the 20% and 80% quantiles (statistics' default method) of
+    the row's samples, and reps is how many there are."""
+    import statistics
+
+    real = statistics.quantiles
+    samples = []
+
+    def quantiles(data, *args, **kwargs):
+        samples.append(list(data))
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(statistics, "quantiles", quantiles)
+    rows = host_overhead.rows(tensors=3, numel=2, reps=9, warmup=1)
+    assert len(samples) == len(rows)
+    for row, times in zip(rows, samples, strict=True):
+        q = real(times, n=5)
+        assert row["reps"] == len(times) == 9
+        assert (row["median_us"], row["q20_us"], row["q80_us"]) == (statistics.median(times), q[0], q[3]), row
+        assert row["q20_us"] <= row["median_us"] <= row["q80_us"]
+
+
+def test_the_baseline_alone_rows_time_the_baseline(monkeypatch):
+    """The rows ``alone, before/after profiling`` time torch._foreach_add_ of the baseline, not another case."""
+    clock = _Clock()
+    real_add = torch._foreach_add_
+
+    def add(*args, **kwargs):
+        clock.spend(1e-3)  # every _foreach_add_ costs 1000 us on the fake clock
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", add)
+    monkeypatch.setattr(host_overhead, "time", clock)
+    rows = host_overhead.rows(tensors=3, numel=2, reps=3, warmup=1)
+    assert rows[0]["median_us"] == pytest.approx(1001)
+    assert rows[1]["what"] == "read p.grad" and rows[1]["median_us"] == pytest.approx(1)
+    assert [row["median_us"] for row in rows[-2:]] == pytest.approx([1001, 1001])
+
+
+def test_rows_stopped_mid_round_keep_whole_rounds_only(monkeypatch):
+    """SIGTERM in the middle of a round: every row holds the same whole rounds, the partial round is dropped."""
+    cases = len(host_overhead.rows(tensors=2, numel=3, reps=2, warmup=0)) - 2
+    # Three whole rounds, then all but one case of the fourth (two perf_counter calls per sample).
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * 3 + 2 * (cases - 1)))
+    rows = host_overhead.rows(tensors=2, numel=3, reps=10, warmup=0)
+    assert len(rows) == cases and all(row["reps"] == 3 for row in rows)
+    assert rows[0]["interrupted"] == {"signal": "SIGTERM", "during": "sampling, after 3 of 10 rounds"}
+    assert all(row["launches"] is None for row in rows)
+
+
+def test_rows_stopped_after_the_launch_count_keep_the_counts(monkeypatch):
+    """Stopped while the baseline is sampled alone after profiling: the launches were counted and are kept, and
+    the baseline alone before profiling is a row; the one after, with under two samples, is not."""
+    reps = 4
+    cases = len(host_overhead.rows(tensors=2, numel=3, reps=2, warmup=0)) - 2
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * reps + 2 * reps + 3))
+    rows = host_overhead.rows(tensors=2, numel=3, reps=reps, warmup=0)
+    assert rows[0]["interrupted"]["during"] == "sampling the baseline alone, after profiling, after 4 of 4 rounds"
+    assert rows[0]["launches"] == 2 and all(isinstance(row["launches"], int) for row in rows)
+    assert [row["what"] for row in rows[-1:]] == ["torch._foreach_add_ alone, before profiling"]
+
+
+def test_a_ctrl_c_before_two_rounds_exits_130_with_no_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(host_overhead, "rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert host_overhead.main(["--runs", "2", "--out", str(tmp_path / "none")]) == 130
+    assert "STOPPED by KeyboardInterrupt before two whole sampling rounds: no table" in capsys.readouterr().out
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_partial_run_after_a_whole_one_is_counted_in_the_ranges(tmp_path, monkeypatch, capsys):
+    """--runs 3, the second run stopped after two rounds: two runs saved, their ranges 'over 2 runs', the report
+    marked partial once, no third run."""
+    calls = []
+
+    def measured(*args, **kwargs):
+        calls.append(1)
+        stopped = {"signal": "SIGTERM", "during": "sampling, after 5 of 200 rounds"} if len(calls) == 2 else None
+        return _fake_run([10.0, 15.0 + len(calls), 40.0, 60.0], stopped)
+
+    monkeypatch.setattr(host_overhead, "rows", measured)
+    assert host_overhead.main(["--runs", "3", "--out", str(tmp_path)]) == 143
+    assert len(calls) == 2
+    (path,) = tmp_path.glob("*-host-1024x64-fp32.json")
+    saved = json.loads(path.read_text())
+    assert len(saved["runs"]) == 2 and saved["ranges"] == host_overhead.ranges(saved["runs"])
+    assert saved["ranges"][1]["median_us"] == [16.0, 17.0]
+    assert saved["meta"]["complete"] is False
+    assert saved["meta"]["interrupted"] == {"signal": "SIGTERM", "during": "sampling, after 5 of 200 rounds"}
+    report = path.with_suffix(".txt").read_text()
+    assert report.count("PARTIAL RESULTS") == 1
+    assert "over 2 runs (least-greatest of the runs' medians):" in report and "over 3 runs" not in report
+    assert "run 2 of 3:" in report and "run 3 of 3:" not in report
+
+
+def test_the_printed_table_holds_each_rows_figures():
+    table = _fake_run([10.0, 15.0, 40.0, 60.0])
+    for row in table:
+        row["q20_us"], row["q80_us"] = row["median_us"] - 1, row["median_us"] + 2
+    lines = host_overhead.format_table(table).splitlines()
+    fold = next(line for line in lines if line.startswith("fold_ "))
+    assert fold.split()[1:] == ["foreach", "15.0", "14.0", "17.0", "1.50", "2"]
+    assert f"{host_overhead.BACKWARD_LOOP} (foreach): 1.50x {host_overhead.PLAIN_BACKWARD}" in lines
+
+
+def test_a_check_that_never_matches_is_named_per_gradient(monkeypatch):
+    """A recorded layout that never matches: every check goes gradient by gradient, and the row says so even though
+    each check recorded an (equal) layout."""
+    if gafused.ops._TensorGuards is None:
+        pytest.skip("torch's TensorGuards is not usable here")
+    monkeypatch.setattr(gafused.ops._AcceptedLayout, "matches", lambda self, grads: False)
+    rows = host_overhead.rows(tensors=3, numel=2, reps=2, warmup=1)
+    assert [row["what"] for row in rows if row["what"].startswith("check_grads")] == ["check_grads (per gradient)"]
+
+
+def test_rows_reject_an_empty_tensor_size():
+    with pytest.raises(ValueError, match="numel=0"):
+        host_overhead.rows(tensors=3, numel=0, dtype=torch.float32)
+
+
+def test_the_cases_are_sampled_in_a_new_order_every_round(monkeypatch):
+    import random
+
+    orders = []
+
+    class _Spy(random.Random):
+        def shuffle(self, x):  # noqa: ANN001, ANN202
+            super().shuffle(x)
+            orders.append(list(x))
+
+    monkeypatch.setattr(host_overhead.random, "Random", _Spy)
+    rows = host_overhead.rows(tensors=2, numel=3, reps=5, warmup=1)
+    cases = len(rows) - 2
+    assert len(orders) == 6 and all(sorted(order) == list(range(cases)) for order in orders)
+    assert len({tuple(order) for order in orders}) > 1
