@@ -5,6 +5,7 @@ Timing is not tested here (no timing assertions); ``python bench/run.py --quick`
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -239,6 +240,21 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip()
+
+
+def _git_at(folder: Path, *args: str) -> str:
+    """stdout of ``git ARGS`` run in ``folder`` (a scratch repository), with an identity to commit under."""
+    identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
+    done = subprocess.run(["git", *identity, *args], cwd=folder, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def _scratch_repository(folder: Path) -> functools.partial:
+    """A new git repository in ``folder`` (the test is skipped without git), and ``git`` to run there."""
+    if _git("--version") is None:
+        pytest.skip("git is not installed")
+    _git_at(folder, "init", "-q")
+    return functools.partial(_git_at, folder)
 
 
 def test_results_meta_records_the_code_and_the_machine(monkeypatch, tmp_path) -> None:
@@ -1413,15 +1429,7 @@ def test_readme_tables_skip_a_kernel_size_that_did_not_fit() -> None:
 def test_git_tree_names_the_files_on_disk_not_only_head(tmp_path, monkeypatch) -> None:
     import provenance
 
-    if _git("--version") is None:
-        pytest.skip("git is not installed")
-
-    def git(*args: str) -> str:
-        identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
-        done = subprocess.run(["git", *identity, *args], cwd=tmp_path, capture_output=True, text=True, check=True)
-        return done.stdout.strip()
-
-    git("init", "-q")
+    git = _scratch_repository(tmp_path)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.py").write_text("a = 1\n")
     (tmp_path / "run.sh").write_text("echo\n")
@@ -1642,15 +1650,7 @@ def test_git_tree_orders_folders_and_keeps_links_and_deletions_as_git_does(tmp_p
     deleted tracked file is left out, and every untracked file is named: the tree is ``git add --all``'s."""
     import provenance
 
-    if _git("--version") is None:
-        pytest.skip("git is not installed")
-
-    def git(*args: str) -> str:
-        identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
-        done = subprocess.run(["git", *identity, *args], cwd=tmp_path, capture_output=True, text=True, check=True)
-        return done.stdout.strip()
-
-    git("init", "-q")
+    git = _scratch_repository(tmp_path)
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.py").write_text("x = 1\n")
     (tmp_path / "a.py").write_text("a = 1\n")
@@ -1778,15 +1778,7 @@ def test_git_tree_reads_the_execute_bit_and_nested_repositories_as_git_add_does(
     to name."""
     import provenance
 
-    if _git("--version") is None:
-        pytest.skip("git is not installed")
-
-    def git(*args: str, cwd: Path = tmp_path) -> str:
-        identity = ["-c", "user.name=bench", "-c", "user.email=bench@example.com"]
-        done = subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True, text=True, check=True)
-        return done.stdout.strip()
-
-    git("init", "-q")
+    git = _scratch_repository(tmp_path)
     (tmp_path / "run.sh").write_text("echo\n")
     (tmp_path / "run.sh").chmod(0o654)  # group and others may execute, the owner may not: not executable to git
     (tmp_path / "tool.sh").write_text("echo\n")
@@ -1797,12 +1789,12 @@ def test_git_tree_reads_the_execute_bit_and_nested_repositories_as_git_add_does(
     assert clean["git_tree"] == git("rev-parse", "HEAD^{tree}") and clean["git_tree_dirty"] is False
     inner = tmp_path / "inner"
     inner.mkdir()
-    git("init", "-q", cwd=inner)
+    _git_at(inner, "init", "-q")
     (inner / "x.py").write_text("x = 1\n")
     unborn = provenance.git_tree(tmp_path)
     assert unborn["git_tree"] is None and unborn["git_tree_dirty"] is True and unborn["git_untracked"] == ["inner/"]
-    git("add", "-A", cwd=inner)
-    git("commit", "-q", "-m", "inner", cwd=inner)
+    _git_at(inner, "add", "-A")
+    _git_at(inner, "commit", "-q", "-m", "inner")
     nested = provenance.git_tree(tmp_path)
     assert nested["git_untracked"] == ["inner/"] and nested["git_tree_dirty"] is True
     git("add", "-A")
