@@ -33,10 +33,11 @@ windows (3; 2 with ``--quick``) without it. Measured per window, every window an
   (W - 1) / W of a reduce-scatter or all-gather. Not counted: plain FSDP2's ``clip_grad_norm_`` reduces its
   norm through DTensor's functional collectives (a scalar).
 - wall time of a window on rank 0 after a barrier: median, min and max over the timed windows;
-- peak live CPU tensor bytes of a rank over the memory window, the larger rank: every tensor alive in the
-  process (parameters, gradients, DDP buckets, FSDP2 buffers, the accumulator), exactly, from the CPU
-  allocator's own count (``bench/memory.py``'s tracker with ``count_every_thread``: gloo's worker threads free
-  some buffers, which the profiler's events alone would miss);
+- peak live CPU tensor bytes of a rank over the memory window, the larger rank (each rank's in
+  ``peak_bytes_per_rank``, JSON only): every tensor alive in the process (parameters, gradients, DDP buckets,
+  FSDP2 buffers, the accumulator), exactly, from the CPU allocator's own count (``bench/memory.py``'s tracker
+  with ``count_every_thread``: gloo's worker threads free some buffers, which the profiler's events alone would
+  miss);
 - exactness after the warm-up window: each recipe's parameters against a float64 window (the same fp32
   micro-batch gradients summed, averaged, clipped and stepped in float64, then rounded to fp32) and against
   ``ddp``'s, as ``||p - p_ref|| / ||p_ref - p_0||``; and the window's grad norm against float64's.
@@ -511,6 +512,7 @@ def _row(recipe: Recipe, per_rank: list[dict[str, Any]], numel: int, float64_nor
         # shared machine, and blind to waiting on the other rank.
         "window_cpu_s_median": max(statistics.median(m["cpu_times"]) for m in per_rank),
         "peak_bytes": peak,
+        "peak_bytes_per_rank": peaks,
         "peak_bytes_per_param": None if peak is None else peak / numel,
         "grad_norm": first["first_window_grad_norm"],
         "grad_norm_error_vs_float64": norm_error,

@@ -60,7 +60,7 @@ import provenance  # noqa: E402 - bench/ modules are imported as siblings, after
 import gafused  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "frameworks-cpu.json"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gafused" / "bench"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gafused" / "bench"  # (set but empty: unset)
 QUICK_OUT = CACHE / "frameworks-quick.json"  # a smoke run never overwrites the committed results
 VOCAB = 64
 SEQUENCES = 2  # per micro-batch

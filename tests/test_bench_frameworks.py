@@ -4,7 +4,9 @@ README's tables rendered from the committed results file."""
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -180,3 +182,164 @@ def test_the_errors_see_a_halved_gradient(exact_run: tuple[frameworks.Truth, dic
     halved = truth.errors({**run, "grads": [grad / 2 for grad in run["grads"]]})
     assert halved["grad_error"] == pytest.approx(0.5, abs=1e-5)
     assert truth.errors({**run, "final": truth.initial})["param_error"] == pytest.approx(1.0)
+
+
+def test_the_readme_tables_are_the_committed_tables_row_for_row() -> None:
+    """Each README table is the rendered table, whole: no row of the committed results left out at its end."""
+    committed = json.loads(frameworks.DEFAULT_OUT.read_text())
+    readme = [" ".join(line.split()) for line in (ROOT / "README.md").read_text().splitlines()]
+    for table in frameworks.format_tables(committed).split("\n\n"):
+        lines = [" ".join(line.split()) for line in table.splitlines()]
+        start = readme.index(lines[0])
+        end = next(i for i in range(start, len(readme)) if not readme[i].startswith("|"))
+        assert readme[start:end] == lines
+
+
+def test_uneven_scenarios_spread_the_loss_tokens_and_equal_ones_do_not() -> None:
+    for scenario in [*frameworks.SCENARIOS, *frameworks.QUICK_SCENARIOS]:
+        for world in frameworks.WORLDS:
+            items = frameworks.micro_batches(scenario, world)
+            assert len(items) == world * scenario.batches
+            counts = [int(frameworks.loss_tokens(item)) for item in items]
+            if scenario.equal_tokens:
+                assert set(counts) == {frameworks.SEQUENCES * 15}, scenario.name  # 16 tokens, 15 after the shift
+            else:  # sequences of 2 to 31 tokens: the heaviest micro-batch weighs several of the lightest
+                assert max(counts) > 4 * min(counts), scenario.name
+
+
+def test_the_windows_check_refuses_a_run_short_of_a_micro_batch_or_a_window_start(exact_run) -> None:
+    truth, run = exact_run
+    assert frameworks.check_windows(run, truth.scenario, 1, 0) is None
+    assert frameworks.check_windows({**run, "seen": run["seen"][:-1]}, truth.scenario, 1, 0) is not None
+    assert frameworks.check_windows({**run, "params": run["params"][:-1]}, truth.scenario, 1, 0) is not None
+
+
+def test_the_truth_is_float64_not_fp32_rounded(exact_run) -> None:
+    truth, _ = exact_run
+    gradient = truth.gradient(truth.initial, 0)
+    assert gradient.dtype == torch.float64 and not torch.equal(gradient, gradient.float().double())
+    assert truth.final.dtype == torch.float64 and not torch.equal(truth.final, truth.final.float().double())
+
+
+def _exact(truth: frameworks.Truth, world: int, rank: int) -> dict:
+    """What a rank of an exact run records: its micro-batches in their windows, the float64 window gradients."""
+    scenario = truth.scenario
+    items = frameworks.rank_items(frameworks.micro_batches(scenario, world), world, rank)
+    seen = [(index, items[j]["input_ids"]) for index, window in enumerate(scenario.windows()) for j in window]
+    params, grads, current = [], [], truth.initial.clone()
+    for window in range(len(truth.windows)):
+        params.append(current)
+        grads.append(truth.gradient(current, window).clone())
+        current = current - frameworks.LR * grads[-1]
+    return {"seen": seen, "grads": grads, "params": params, "final": current}
+
+
+@pytest.fixture(scope="module")
+def faked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
+    """``main --quick`` with the ranks replaced by exact recordings, four of them spoiled: an fp32 gafused gradient
+    0.1% off in its last window (a failure), the same in bf16 (no failure: bf16 has no bound), a rank that ends on
+    other parameters (a failure), a rank 1 fed its windows in another order (an error row), a recipe that raised
+    (an error row)."""
+    import torch.multiprocessing as mp
+
+    truths: dict = {}
+    recorded: dict = {}
+
+    def truth(scenario: frameworks.Scenario, world: int) -> frameworks.Truth:
+        if (scenario.name, world) not in truths:
+            truths[scenario.name, world] = frameworks.Truth(scenario, world)
+        return truths[scenario.name, world]
+
+    def start_processes(fn, args, nprocs, start_method):  # noqa: ANN001, ANN202 - stands in for the ranks
+        framework, world, port, scenarios, folder = args
+        for rank in range(world):
+            results = {}
+            for scenario in scenarios:
+                for fw, recipe in frameworks.RECIPES:
+                    if fw != framework:
+                        continue
+                    if (scenario.name, world, rank) not in recorded:
+                        recorded[scenario.name, world, rank] = _exact(truth(scenario, world), world, rank)
+                    run = dict(recorded[scenario.name, world, rank])
+                    where = (framework, recipe, scenario.name, world)
+                    if where in {("accelerate", "gafused", "uneven-partial", 1), ("lightning", "gafused", "bf16", 1)}:
+                        run["grads"] = [*run["grads"][:-1], run["grads"][-1] * 1.001]  # the last window
+                    if where == ("transformers", "gafused", "uneven-partial", 1):
+                        run["final"] = run["final"] + 1e-3  # the right gradients, parameters off
+                    if where == ("lightning", "own", "uneven-partial", 2) and rank == 1:
+                        run["final"] = run["final"] + 1e-3
+                    if where == ("transformers", "gafused", "uneven-partial", 2) and rank == 1:
+                        run["seen"] = [run["seen"][1], run["seen"][0], *run["seen"][2:]]
+                    if where == ("transformers", "own", "bf16", 1):
+                        run = {"error": "RuntimeError: boom"}
+                    results[f"{scenario.name}/{recipe}"] = run
+            torch.save(results, f"{folder}/{framework}-{world}-{rank}.pt")
+
+    out = tmp_path_factory.mktemp("frameworks") / "faked.json"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(mp, "start_processes", start_processes)
+        code = frameworks.main(["--quick", "--out", str(out)])
+    return code, json.loads(out.read_text()), out.with_suffix(".csv").read_text()
+
+
+def test_a_run_fails_on_an_fp32_gafused_row_off_the_truth_replicas_that_differ_and_wrong_windows(faked) -> None:
+    code, results, _ = faked
+    assert code == 1
+    assert sorted(results["meta"]["failures"]) == sorted([
+        f"Accelerate + gafused / uneven-partial / 1: off the truth by more than {frameworks.FP32_BOUND}",
+        f"GafusedTrainer / uneven-partial / 1: off the truth by more than {frameworks.FP32_BOUND}",
+        "Lightning's own / uneven-partial / 2: replicas differ",
+        "GafusedTrainer / uneven-partial / 2: rank 1 saw 6 micro-batches not in the expected windows",
+        "Trainer's own / bf16 / 1: RuntimeError: boom",
+    ])  # fmt: skip
+    rows = {(r["framework"], r["recipe"], r["scenario"], r["world"]): r for r in results["rows"]}
+    assert rows["accelerate", "gafused", "uneven-partial", 1]["grad_error"] == pytest.approx(1e-3, rel=1e-6)
+    assert rows["lightning", "gafused", "bf16", 1]["grad_error"] == pytest.approx(1e-3, rel=1e-6)
+    assert rows["lightning", "own", "uneven-partial", 2]["ranks_equal"] is False
+    assert rows["transformers", "gafused", "uneven-partial", 2]["error"].startswith("rank 1 saw")
+    # Exact recordings land on the truth; the worst window is the one reported.
+    exact = rows["accelerate", "own", "uneven-partial", 2]
+    assert exact["grad_error"] < 1e-12 and exact["param_error"] < 1e-12 and exact["ranks_equal"] is True
+    spoiled = rows["accelerate", "gafused", "uneven-partial", 1]
+    assert len(spoiled["grad_errors"]) == 2 and spoiled["grad_errors"][0] < 1e-12
+    # The smallest and largest micro-batch's loss tokens, per world.
+    tokens = results["meta"]["loss_tokens_per_micro_batch"]["uneven-partial"]
+    items = frameworks.micro_batches(frameworks.QUICK_SCENARIOS[0], 2)
+    counts = [int(frameworks.loss_tokens(item)) for item in items]
+    assert tokens["2"] == [min(counts), max(counts)] and min(counts) < max(counts)
+
+
+def test_the_tables_and_csv_show_the_failed_rows(faked) -> None:
+    _, results, written = faked
+    tables = frameworks.format_tables(results)
+    assert sum(" / error |" in line for line in tables.splitlines()) == 2  # GafusedTrainer, 2 ranks: both tables
+    assert sum(line.startswith("| Trainer's own | ") and "| error / " in line for line in tables.splitlines()) == 2
+    csv_rows = list(csv.DictReader(written.splitlines()))
+    assert len(csv_rows) == len(results["rows"])
+    for row, json_row in zip(csv_rows, results["rows"], strict=True):
+        for key in ("framework", "recipe", "label", "scenario", "world", "grad_error", "param_error", "error"):
+            assert row[key] == ("" if json_row.get(key) is None else str(json_row[key])), key
+
+
+def test_a_quick_run_by_hand_never_overwrites_the_committed_results(monkeypatch, tmp_path, capsys) -> None:
+    committed, quick = tmp_path / "results" / "frameworks-cpu.json", tmp_path / "cache" / "frameworks-quick.json"
+    monkeypatch.setattr(frameworks, "DEFAULT_OUT", committed)
+    monkeypatch.setattr(frameworks, "QUICK_OUT", quick)
+    ran = []
+    results = {"meta": {"seconds": 1.0, "failures": [], "scenarios": []}, "rows": []}
+    monkeypatch.setattr(frameworks, "run", lambda is_quick: ran.append(is_quick) or results)
+    assert frameworks.main(["--quick"]) == 0 and quick.exists() and not committed.exists() and ran == [True]
+    assert frameworks.main([]) == 0 and committed.exists() and ran == [True, False]
+    named = {**results, "meta": {**results["meta"], "scenarios": [{"name": "x", "description": "committed"}]}}
+    committed.write_text(json.dumps(named))
+    capsys.readouterr()
+    assert frameworks.main(["--quick", "--table"]) == 0 and ran == [True, False]  # runs nothing
+    assert "| committed |" in capsys.readouterr().out  # the tables of the committed file
+
+
+def test_an_empty_xdg_cache_home_counts_as_unset() -> None:
+    """The XDG rule: ``XDG_CACHE_HOME`` set but empty means ~/.cache, not a folder relative to where the run starts."""
+    env = {**os.environ, "XDG_CACHE_HOME": "", "PYTHONPATH": str(ROOT / "bench")}
+    done = subprocess.run([sys.executable, "-c", "import frameworks; print(frameworks.QUICK_OUT)"], env=env,
+                          capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    assert Path(done.stdout.strip()) == Path.home() / ".cache" / "gafused" / "bench" / "frameworks-quick.json"
