@@ -74,7 +74,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sets and short budgets (CI smoke run)")
-    size.add_argument("--full", action="store_true", help="every set, both dtypes, 1 s budgets (~10 min on 2 cores)")
+    size.add_argument("--full", action="store_true", help="every set, both dtypes, 1 s budgets (~7-10 min on 2 cores)")
     parser.add_argument("--out", type=Path, help=f"output directory (default: {default_out()})")
     parser.add_argument("--sets", help="comma-separated set names (default: every set of the mode and device)")
     parser.add_argument("--providers", help=f"comma-separated, from {', '.join(providers.PROVIDERS)}")
