@@ -21,10 +21,10 @@ Segment views are made once per buffer and kept (a view per segment costs more h
 feeds); they are shaped like the gradients of the call, which ``torch._foreach_*`` needs, and rebuilt only when
 those shapes change. Ops that treat every element alike (the window scale, ``scale_``, a first fold's weight, the
 total sum of squares) take instead one view per run of segments that follow one another with no padding between
-them: segments whose sizes are multiples of the alignment (most of a transformer's) make long runs, so those ops
-cost a few tensors per buffer instead of one per parameter, and padding is never read or written. Gradients from
-``gafused.ops.check_grads`` carry their shapes, shared by every call with the same layout, so most calls see by
-identity that the views still fit.
+them (cut at ``RUN_ELEMENTS``, or at the longest segment where that is longer): segments whose sizes are multiples
+of the alignment (most of a transformer's) make long runs, so those ops cost a few tensors per buffer instead of
+one per parameter, and padding is never read or written. Gradients from ``gafused.ops.check_grads`` carry their
+shapes, shared by every call with the same layout, so most calls see by identity that the views still fit.
 
 Memory: folds and scales work in place. What needs a temporary (a gradient converted to the buffer's dtype on CPU,
 the weighted products off the CPU, the float64 copy a CPU norm makes, the products ``scale_`` casts into ``out``)
@@ -47,6 +47,9 @@ __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_rea
 # costs a few launches, so chunks are larger there: a few MB would make a large model's fold launch-bound.
 CHUNK_BYTES = 4 * 2**20
 DEVICE_CHUNK_BYTES = 64 * 2**20
+# A run of segments (``_runs``) is cut into pieces of at most this many elements, or of the longest segment where
+# that is longer: no tensor handed to an op is larger than both (a 32-bit element index covers each).
+RUN_ELEMENTS = 2**30
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -71,7 +74,7 @@ class _Views:
         self.missing = False  # whether the gradients of ``shapes`` include None
         self._longer_than: dict[int, list[int]] = {}
         self.longest = max(self.numels, default=0)
-        self.run_bounds = _runs(self.offsets, self.numels)
+        self.run_bounds = _runs(self.offsets, self.numels, max(self.longest, RUN_ELEMENTS))
         self.runs = _split_runs(acc.detach(), self.run_bounds)
         self._run_pieces: dict[int, list[torch.Tensor]] = {}
 
@@ -91,11 +94,12 @@ class _Views:
         return pieces
 
 
-def _runs(offsets: list[int], numels: list[int]) -> list[tuple[int, int]]:
-    """(start, elements) of each run of segments that follow one another with no padding between them, in order;
-    runs without elements are left out. Elementwise ops and sums over all segments can take one view per run
-    instead of one per segment: on CPU an op per tensor, so a layout of thousands of small segments (which need no
-    padding when their sizes are multiples of the alignment) costs a few ops instead of thousands."""
+def _runs(offsets: list[int], numels: list[int], cap: int) -> list[tuple[int, int]]:
+    """(start, elements) of each run of segments that follow one another with no padding between them, in order,
+    cut into pieces of at most ``cap`` elements; runs without elements are left out. Elementwise ops and sums over
+    all segments can take one view per run instead of one per segment: on CPU an op per tensor, so a layout of
+    thousands of small segments (which need no padding when their sizes are multiples of the alignment) costs a few
+    ops instead of thousands."""
     runs: list[tuple[int, int]] = []
     start = end = None
     for offset, numel in zip(offsets, numels, strict=True):
@@ -106,7 +110,9 @@ def _runs(offsets: list[int], numels: list[int]) -> list[tuple[int, int]]:
         end = offset + numel
     if end is not None and end > start:
         runs.append((start, end - start))
-    return runs
+    return [
+        (begin, min(cap, start + numel - begin)) for start, numel in runs for begin in range(start, start + numel, cap)
+    ]
 
 
 def _split_runs(data: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:

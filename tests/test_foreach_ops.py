@@ -223,7 +223,7 @@ class _ForeachLists(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_runs_cover_the_segments_exactly_and_break_at_padding():
     buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES + [(0,), (3,), (0,)]])
-    runs = foreach_backend._runs(buffer.offsets, buffer.numels)
+    runs = foreach_backend._runs(buffer.offsets, buffer.numels, 1 << 30)
     covered = {i for start, numel in runs for i in range(start, start + numel)}
     segments = {
         i for start, numel in zip(buffer.offsets, buffer.numels, strict=True) for i in range(start, start + numel)
@@ -234,7 +234,11 @@ def test_runs_cover_the_segments_exactly_and_break_at_padding():
     # break nothing.
     assert all(start + numel < following for (start, numel), (following, _) in zip(runs, runs[1:], strict=False))
     assert [numel for _, numel in runs] == [1024 + 7 * 16 + 17, 5 * 16 + 3]
-    assert foreach_backend._runs([], []) == [] and foreach_backend._runs([0, 16], [0, 0]) == []
+    assert foreach_backend._runs([], [], 8) == [] and foreach_backend._runs([0, 16], [0, 0], 8) == []
+    # Cut at the cap: pieces in order, the last one shorter.
+    assert foreach_backend._runs(buffer.offsets, buffer.numels, 1024) == [
+        (runs[0][0], 1024), (runs[0][0] + 1024, 7 * 16 + 17), (runs[1][0], 83)
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
@@ -295,3 +299,17 @@ def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     with _ForeachLists() as seen:
         foreach_backend.fold_(*layout, torch.tensor(2.0), True)
     assert [len(tensors) for tensors in seen.lists["_foreach_mul_"]] == [2]
+
+
+def test_runs_are_cut_at_the_longer_of_run_elements_and_the_longest_segment(monkeypatch):
+    """No tensor an op gets from the runs is longer than both RUN_ELEMENTS and the longest segment."""
+    monkeypatch.setattr(foreach_backend, "RUN_ELEMENTS", 64)
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
+    grads = [torch.ones(shape) for shape in RUN_SHAPES]
+    layout = (buffer.data, grads, buffer.offsets, buffer.numels)
+    foreach_backend.fold_(*layout, torch.tensor(1.0), True)
+    with _ForeachLists() as seen:
+        total, _ = foreach_backend.fold_finish_(*layout, torch.tensor(1.0), torch.tensor(0.5), False)
+    assert total.item() == sum(buffer.numels)
+    (scaled,) = seen.lists["_foreach_mul_"]
+    assert [tensor.numel() for tensor in scaled] == [1024, 7 * 16 + 17, 5 * 16]
