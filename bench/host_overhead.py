@@ -387,19 +387,20 @@ def format_table(table: list[dict[str, object]]) -> str:
 
 def ranges(runs: list[list[dict[str, object]]]) -> list[dict[str, object]]:
     """Each row's least and greatest median, ratio and ``x_plain_backward`` over ``runs`` (lists of ``rows()``
-    output with the same rows in the same order): ``what``, ``backend``, ``median_us``, ``ratio`` and
-    ``x_plain_backward`` (None where the rows hold none), each a ``[least, greatest]`` pair."""
+    output): ``what``, ``backend``, ``median_us``, ``ratio`` and ``x_plain_backward`` (None where the rows hold
+    none), each a ``[least, greatest]`` pair, for the rows every run has, in the first run's order (a run stopped
+    part way has no rows of the baseline alone, whose sampling it did not reach)."""
     if not runs:
         raise ValueError("ranges needs at least one run")
-    keys = [(row["what"], row["backend"]) for row in runs[0]]
-    for index, run in enumerate(runs[1:], 2):
-        if [(row["what"], row["backend"]) for row in run] != keys:
-            raise ValueError(f"run {index} has other rows than run 1: ranges compare the same rows")
+    by_key = [{(row["what"], row["backend"]): row for row in run} for run in runs]
+    keys = [(row["what"], row["backend"]) for row in runs[0] if all((row["what"], row["backend"]) in r for r in by_key)]
+    if not keys:
+        raise ValueError("ranges needs rows that every run has")
     spans = []
-    for position, (what, backend) in enumerate(keys):
-        span: dict[str, object] = {"what": what, "backend": backend}
+    for key in keys:
+        span: dict[str, object] = {"what": key[0], "backend": key[1]}
         for field in ("median_us", "ratio", "x_plain_backward"):
-            values = [run[position][field] for run in runs]
+            values = [rows[key][field] for rows in by_key]
             span[field] = None if values[0] is None else [min(values), max(values)]
         spans.append(span)
     return spans
@@ -482,22 +483,24 @@ def main(argv: list[str] | None = None) -> int:
     if spans is not None:
         lines.append(format_ranges(spans, len(runs)))
     report = "\n".join(lines)
-    if args.out is None:
-        print(report)
-    else:
-        label = provenance.device_name(device)
-        if device.type == "cpu":
-            label += f" ({threads} thread{'s' if threads > 1 else ''})"
-        arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-        meta = {
-            "arguments": arguments,
-            "cpu_threads": threads,
-            "interrupted": stopped,  # save_report marks the files partial
-            "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-            "python": platform.python_version(),
-        }
-        kind = f"host-{args.tensors}x{args.numel}-{args.dtype}"
-        provenance.save_report(args.out, device, label, kind, {"meta": meta, "runs": runs, "ranges": spans}, report)
+    with interrupt.sigterm_ignored():  # the last writes, complete or not, are not cut short by a (second) SIGTERM
+        if args.out is None:
+            print(report)
+        else:
+            label = provenance.device_name(device)
+            if device.type == "cpu":
+                label += f" ({threads} thread{'s' if threads > 1 else ''})"
+            arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+            meta = {
+                "arguments": arguments,
+                "cpu_threads": threads,
+                "interrupted": stopped,  # save_report marks the files partial
+                "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+                "python": platform.python_version(),
+            }
+            kind = f"host-{args.tensors}x{args.numel}-{args.dtype}"
+            results = {"meta": meta, "runs": runs, "ranges": spans}
+            provenance.save_report(args.out, device, label, kind, results, report)
     return 143 if stopped and stopped["signal"] == "SIGTERM" else 130 if stopped else 0
 
 
