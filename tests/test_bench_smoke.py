@@ -1181,48 +1181,6 @@ def test_the_kernel_configs_and_profile_scripts_keep_what_they_measured(monkeypa
     assert saved["meta"]["complete"] is False
 
 
-def test_host_overhead_stopped_prints_the_rounds_it_took(monkeypatch, capsys):
-    import host_overhead
-    import interrupt
-
-    class _Clock:
-        """perf_counter that runs out: SIGTERM's exception in the 4th timed round (after main's 20 warm-up rounds)."""
-
-        def __init__(self, calls: int) -> None:
-            self.calls, self.now = calls, 0.0
-
-        def perf_counter(self) -> float:
-            self.calls -= 1
-            if self.calls < 0:
-                raise interrupt.Interrupted("SIGTERM")
-            self.now += 1e-6
-            return self.now
-
-    # The cases sampled in rounds: every row but the last two (the baseline alone, before and after profiling).
-    cases = len(host_overhead.rows(tensors=2, numel=3, reps=2, warmup=0)) - 2
-    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 3) + 3))
-    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
-    printed = capsys.readouterr().out
-    assert printed.startswith("PARTIAL RESULTS: stopped by SIGTERM during sampling, after 3 of 10 rounds")
-    assert "3 samples per row" in printed
-    # Stopped before two whole rounds there is no table: said so, with the same exit status.
-    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 1) + 3))
-    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
-    assert "STOPPED by SIGTERM before two whole sampling rounds: no table" in capsys.readouterr().out
-    # Stopped after the rounds, while the baseline is called alone before the launches are counted: every round's
-    # rows, no launch counts, no rows of the baseline alone.
-    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 10) + 3))
-    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
-    printed = capsys.readouterr().out
-    assert printed.startswith(
-        "PARTIAL RESULTS: stopped by SIGTERM during sampling the baseline alone, before profiling, "
-        "after 10 of 10 rounds"
-    )
-    rows = [line.split() for line in printed.splitlines() if line.startswith(("fold_ ", "step "))]
-    assert rows and all(row[-1] == "-" for row in rows)
-    assert not any(line.startswith("torch._foreach_add_ alone") for line in printed.splitlines())
-
-
 def test_host_overhead_has_a_same_dtype_floor_beside_a_mixed_dtype_baseline():
     """bf16 gradients into fp32 accumulators cannot take torch's multi-tensor fast path; the same-dtype row can."""
     import host_overhead

@@ -411,3 +411,29 @@ def test_a_run_stopped_while_sampling_is_saved_beside_the_whole_ones(tmp_path, m
     assert [(span["what"], span["backend"]) for span in saved["ranges"]] == [(r["what"], r["backend"]) for r in second]
     assert saved["meta"]["complete"] is False and saved["meta"]["interrupted"]["during"].startswith("sampling")
     assert "over 2 runs" in path.with_suffix(".txt").read_text()
+
+
+def test_host_overhead_stopped_prints_the_rounds_it_took(monkeypatch, capsys):
+    # The cases sampled in rounds: every row but the last two (the baseline alone, before and after profiling).
+    cases = len(host_overhead.rows(tensors=2, numel=3, reps=2, warmup=0)) - 2
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 3) + 3))
+    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
+    printed = capsys.readouterr().out
+    assert printed.startswith("PARTIAL RESULTS: stopped by SIGTERM during sampling, after 3 of 10 rounds")
+    assert "3 samples per row" in printed
+    # Stopped before two whole rounds there is no table: said so, with the same exit status.
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 1) + 3))
+    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
+    assert "STOPPED by SIGTERM before two whole sampling rounds: no table" in capsys.readouterr().out
+    # Stopped after the rounds, while the baseline is called alone before the launches are counted: every round's
+    # rows, no launch counts, no rows of the baseline alone.
+    monkeypatch.setattr(host_overhead, "time", _Clock(calls=2 * cases * (20 + 10) + 3))
+    assert host_overhead.main(["--tensors", "2", "--numel", "3", "--reps", "10"]) == 143
+    printed = capsys.readouterr().out
+    assert printed.startswith(
+        "PARTIAL RESULTS: stopped by SIGTERM during sampling the baseline alone, before profiling, "
+        "after 10 of 10 rounds"
+    )
+    rows = [line.split() for line in printed.splitlines() if line.startswith(("fold_ ", "step "))]
+    assert rows and all(row[-1] == "-" for row in rows)
+    assert not any(line.startswith("torch._foreach_add_ alone") for line in printed.splitlines())
