@@ -14,7 +14,8 @@ optimizers walk a gradient's memory as if it were the parameter's).
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +28,17 @@ PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+_T = TypeVar("_T")
+
+
+def by_device_and_dtype(items: list[_T], key: Callable[[_T], torch.Tensor]) -> list[list[_T]]:
+    """``items`` split by the (device, dtype) of their parameter (``key``), each kind in the order first met, each
+    item in its order: the parameters of each buffer (one per kind), and the buffers in order."""
+    kinds: dict[tuple[torch.device, torch.dtype], list[_T]] = {}
+    for item in items:
+        param = key(item)
+        kinds.setdefault((param.device, param.dtype), []).append(item)
+    return list(kinds.values())
 
 
 def _round_up(value: int, multiple: int) -> int:
