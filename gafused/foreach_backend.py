@@ -12,7 +12,7 @@ Agreement with the reference (``gafused/reference.py``):
   path.
 - sums of squares: 2-norms are computed in float64 and squared there, as the reference adds its squares in
   float64: per segment when asked for per segment; for the total, per run of segments (below; on CPU a float32
-  buffer's runs in pieces no longer than its longest segment). For a float32 buffer the results are within a few
+  buffer's runs in pieces of at most half its longest segment). For a float32 buffer the results are within a few
   float32 ulps of each other; for a float64 one they are float64 sums in different orders, apart by their
   rounding, which grows with the element count (27 float64 ulps for a million normal values).
   They are deterministic: the same inputs give the same bits.
@@ -29,7 +29,10 @@ shapes, shared by every call with the same layout, so most calls see by identity
 Memory: folds and scales work in place. What needs a temporary (a gradient converted to the buffer's dtype on CPU,
 the weighted products off the CPU, the float64 copy a CPU norm makes, the products ``scale_`` casts into ``out``)
 gets one of at most ``CHUNK_BYTES`` (``DEVICE_CHUNK_BYTES`` off the CPU) at a time, longer segments in pieces, so
-the backend's peak memory stays within a few MB of the reference's whatever the model's size.
+the backend's peak memory stays within a few MB of the reference's whatever the model's size. On CPU the two made
+at a window's end are smaller still: the products cast into ``out`` no longer than the buffer's longest segment (a
+cast per segment makes that much), the float64 copies of the norm no bigger than it in bytes, so a window's end
+costs no more than Megatron-style accumulation's, whose peak is there too (``python bench/memory.py --quick``).
 """
 
 from __future__ import annotations
@@ -371,9 +374,10 @@ def _total_squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=acc.device)
     pieces = views.runs
     if acc.device.type == "cpu" and acc.dtype != torch.float64:
-        # Pieces no longer than the longest segment, whose float64 copy a norm per segment would make anyway: the
-        # copies never outgrow it, so the peak stays where it was (and within CHUNK_BYTES).
-        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), views.longest))
+        # Pieces of at most half the longest segment: a piece's float64 copy is no bigger than that segment, a
+        # temporary as large as a cast of one gradient makes (within CHUNK_BYTES too). Folding at step() measures
+        # while the last micro-batch's gradients are still alive, so a bigger copy would raise the window's peak.
+        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), max(1, views.longest // 2)))
     return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
 
 
@@ -455,6 +459,10 @@ def scale_(
         torch._foreach_mul_(views.runs, c)
         return
     limit = _chunk_elements(acc.device, acc.element_size())
+    if acc.device.type == "cpu":
+        # No product longer than the longest segment, which a cast per segment (the reference's torch.mul(...,
+        # out=), which CPU computes into a temporary in acc's dtype) makes anyway: the peak stays where it was.
+        limit = min(limit, views.longest)
     # out has acc's layout: the same runs, cut into the same pieces.
     segments = views.run_pieces(limit)
     targets = [piece for run in _split_runs(out, views.run_bounds) for piece in run.split(limit)]

@@ -283,7 +283,7 @@ def test_ops_over_runs_are_bitwise_the_reference_and_leave_padding_alone(host, c
 
 def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     """On CPU: the window scale is one multiply per run of segments, and the sum of squares the float64 norms of the
-    runs in pieces no longer than the longest segment (whose float64 copy a norm per segment made anyway)."""
+    runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment)."""
     buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
     grads = [torch.ones(shape) for shape in RUN_SHAPES]
     layout = (buffer.data, grads, buffer.offsets, buffer.numels)
@@ -294,11 +294,25 @@ def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     (scaled,) = seen.lists["_foreach_mul_"]
     assert [tensor.numel() for tensor in scaled] == [1024 + 7 * 16 + 17, 5 * 16]
     (normed,) = seen.lists["_foreach_norm"]
-    assert [tensor.numel() for tensor in normed] == [1024, 7 * 16 + 17, 5 * 16]
-    assert max(tensor.numel() for tensor in normed) <= max(buffer.numels)
+    assert [tensor.numel() for tensor in normed] == [512, 512, 7 * 16 + 17, 5 * 16]
+    assert max(tensor.numel() for tensor in normed) * 8 <= max(buffer.numels) * buffer.data.element_size()
     with _ForeachLists() as seen:
         foreach_backend.fold_(*layout, torch.tensor(2.0), True)
     assert [len(tensors) for tensors in seen.lists["_foreach_mul_"]] == [2]
+
+
+def test_scale_into_out_makes_no_product_longer_than_the_longest_segment():
+    """On CPU the products cast into ``out`` are the runs in pieces of at most the longest segment (what a cast per
+    segment makes), however long the runs, and they are the reference's bits."""
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
+    buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(3)))
+    out, expected = (torch.zeros(buffer.numel, dtype=torch.bfloat16) for _ in range(2))
+    with _ForeachLists() as seen:
+        foreach_backend.scale_(buffer.data, buffer.offsets, buffer.numels, torch.tensor(0.37), out)
+    products = [tensor for tensors in seen.lists["_foreach_mul"] for tensor in tensors]
+    assert [tensor.numel() for tensor in products] == [1024, 7 * 16 + 17, 5 * 16]
+    ops.scale_(buffer, torch.tensor(0.37), out=expected, backend="reference")
+    assert torch.equal(out, expected)
 
 
 def test_runs_are_cut_at_the_longer_of_run_elements_and_the_longest_segment(monkeypatch):
