@@ -102,10 +102,18 @@ class _Group:
         return self.buffer.params[0].dtype
 
 
+def _whole_number(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (Python or NumPy, not bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = _whole_number(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return number
 
 
 def _real_number(value: Any) -> float | None:
@@ -121,11 +129,12 @@ def _real_number(value: Any) -> float | None:
 def _check_accumulation_steps(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = _whole_number(value)
+    if number is None or number < 1:
         raise ValueError(
             f"accumulation_steps must be a positive int, or None for windows ended by the caller, got {value!r}"
         )
-    return value
+    return number
 
 
 def _check_max_norm(value: Any) -> float | None:
@@ -243,6 +252,11 @@ class GradAccumulator(torch.optim.Optimizer):
         if isinstance(optimizer, GradAccumulator):
             raise TypeError("optimizer must be the inner torch.optim.Optimizer, not another GradAccumulator")
         if not isinstance(optimizer, torch.optim.Optimizer):
+            if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer instance, got the class {optimizer.__name__}: build "
+                    f"it first, e.g. GradAccumulator({optimizer.__name__}(model.parameters(), lr=...), ...)"
+                )
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         for unsupported, why in _UNSUPPORTED_OPTIMIZERS.items():
             if isinstance(optimizer, unsupported):
@@ -251,6 +265,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.normalization = normalization
         check_options(accum_dtype=accum_dtype, backend=backend, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
+        bucket_bytes = int(bucket_bytes)  # (a NumPy integer passes the check)
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         if model is None:
@@ -1560,7 +1575,8 @@ class GradAccumulator(torch.optim.Optimizer):
         if count != len(self._managed):
             raise RuntimeError(
                 f"the inner optimizer now has {count} parameters, GradAccumulator was built for "
-                f"{len(self._managed)}; build a new GradAccumulator after add_param_group()"
+                f"{len(self._managed)}: its parameters changed (add_param_group(), or params added to or removed from "
+                "a param group); build a new GradAccumulator after changing them"
             )
 
     def _claim_grad_scaler(self) -> None:
@@ -1792,11 +1808,17 @@ class GradAccumulator(torch.optim.Optimizer):
                 nonfinite, may_overflow = (bool(value) for value in again)
         self._grad_norm = norm
         if bad:  # a refused window leaves the loss scaler as it was
+            tiny, top, dtype = self._weight_range
+            scaled = ""
+            if self._inv_loss_scale is not None:  # (an error path: its read may cost a second sync)
+                scale = 1 / self._inv_loss_scale.item()
+                scaled = f" (at the loss scale {scale:g}, a weight must be 0 or at least {tiny * scale:.3g})"
             self._discard_window()
             raise ValueError(
-                "weight: a tensor weight given in this window was negative, nan, inf or outside the accumulation "
-                "dtype's normal range, or a weight divided by the loss scale was; the window was discarded and the "
-                "inner optimizer did not step"
+                f"weight: a weight of this window was refused at its end: one given as a device tensor was negative, "
+                f"nan, inf or outside {str(dtype).removeprefix('torch.')}'s normal range ({tiny:.3g} to {top:.3g}), "
+                f"or one divided by grad_scaler's loss scale left that range{scaled}; the window was discarded and "
+                "the inner optimizer did not step"
             )
         if nonfinite:
             self._skip_window(found_inf)

@@ -152,7 +152,8 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
         raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
 
     def field_error(name: str, expected: str) -> ValueError:
-        return ValueError(f"state_dict['gafused']['{name}']: expected {expected}, got {window.get(name)!r}")
+        got = f"got {window[name]!r}" if name in window else "it is missing"
+        return ValueError(f"state_dict['gafused']['{name}']: expected {expected}, {got}")
 
     micro_step = window.get("micro_step")
     if isinstance(micro_step, bool) or not isinstance(micro_step, int) or micro_step < 0:
@@ -167,9 +168,10 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
     if normalization not in NORMALIZATIONS:
         raise field_error("normalization", f"one of {NORMALIZATIONS}")
     if open_window and normalization != acc.normalization:
-        raise field_error(
-            "normalization",
-            f"{acc.normalization!r} (the open window was accumulated to be finished as {normalization!r})",
+        raise ValueError(
+            f"state_dict['gafused']['normalization']: the checkpoint's open window was accumulated to be finished "
+            f"as {normalization!r}, and this accumulator has normalization={acc.normalization!r}: set "
+            f"opt.normalization = {normalization!r} before loading it, or load a checkpoint taken between windows"
         )
     for name, dtype, required in (
         ("weight_sum", torch.float64, open_window),
@@ -216,7 +218,10 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
         and all(type(numel) is int for numel in entry["numels"])
         for entry in saved
     ):
-        raise ValueError("state_dict['gafused']['buffers']: expected a list of dicts with 'numels' (lists of ints)")
+        missing = " (it is missing)" if "buffers" not in window else ""
+        raise ValueError(
+            f"state_dict['gafused']['buffers']: expected a list of dicts with 'numels' (lists of ints){missing}"
+        )
     if not open_window:
         # No window to restore: parameters may have moved between buffers since (a layer cast to another
         # dtype), but a checkpoint of parameters of other sizes is another model's.

@@ -106,6 +106,8 @@ def backend_unavailable_reason(name: str, device: torch.device | str) -> str | N
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {name!r}")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device here: torch.cuda.is_available() is False"
     module = _load(name)
     if module is None:
         return f"gafused backend {name!r} failed to import: {_import_errors[name]!r}"

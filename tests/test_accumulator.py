@@ -778,6 +778,23 @@ def test_param_groups_and_state_are_the_inner_optimizers():
     assert "GradAccumulator(AdamW" in repr(opt)
 
 
+def test_numpy_integers_are_taken_as_ints():
+    """A count read from a NumPy array or config (np.int64) is an int to the accumulator, and kept as a Python int
+    (what a checkpoint saves); a NumPy bool or float is refused as a Python one is."""
+    model = _model()
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=np.int64(3), bucket_bytes=np.int32(4096)
+    )
+    assert type(opt.accumulation_steps) is int and opt.accumulation_steps == 3
+    opt.accumulation_steps = np.int16(2)
+    assert type(opt.accumulation_steps) is int and opt.state_dict()["gafused"]["accumulation_steps"] == 2
+    for bad in (np.bool_(True), np.float64(2.0)):
+        with pytest.raises(ValueError, match="accumulation_steps must be a positive int"):
+            GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=bad)
+        with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+            GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, bucket_bytes=bad)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -812,6 +829,8 @@ def test_constructor_rejects_bad_arguments(kwargs, error, message):
 def test_constructor_rejects_non_optimizers_and_complex_parameters():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         GradAccumulator(_model().parameters(), accumulation_steps=2)
+    with pytest.raises(TypeError, match=r"instance, got the class AdamW: build it first, e.g. .*\(AdamW\("):
+        GradAccumulator(torch.optim.AdamW, accumulation_steps=2)
     complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
     with pytest.raises(ValueError, match="must be float16, bfloat16, float32 or float64, got torch.complex64"):
         GradAccumulator(torch.optim.SGD([complex_param], lr=0.1), accumulation_steps=2)
@@ -994,6 +1013,11 @@ def test_parameters_added_later_are_refused():
     for call in (opt.step, opt.flush, opt.state_dict, lambda: opt.backward(_loss(model, x, y))):
         with pytest.raises(RuntimeError, match="add_param_group"):
             call()
+    assert opt.micro_step == 1
+    inner.param_groups.pop()
+    inner.param_groups[0]["params"].pop()  # one removed: named as a change, not as an added group
+    with pytest.raises(RuntimeError, match=r"now has \d+ parameters.*or params added to or removed from a param group"):
+        opt.step()
     assert opt.micro_step == 1
 
 
@@ -1201,8 +1225,12 @@ def test_checkpoint_window_must_fit_the_accumulator():
     with pytest.raises(ValueError, match=r"\['micro_step'\].*accumulation_steps=4"):
         counted.load_state_dict(open_window)
     mean = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
-    with pytest.raises(ValueError, match=r"\['normalization'\].*'mean'.*'sum'"):
+    with pytest.raises(ValueError, match=r"\['normalization'\].*as 'sum'.*normalization='mean'.*= 'sum' before"):
         mean.load_state_dict(open_window)
+    twin = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    twin.normalization = "sum"  # what the refusal says to do
+    twin.load_state_dict(open_window)
+    assert twin.micro_step == 5
     bad = copy.deepcopy(open_window)
     bad["gafused"]["normalization"] = "median"
     with pytest.raises(ValueError, match=r"\['normalization'\]"):
@@ -1251,7 +1279,7 @@ def test_device_tensor_weight_checked_at_window_end(bad, device, monkeypatch):
         if index == 0:
             opt.step(weight=weight)  # no host sync: the check waits for the end of the window
         else:
-            with pytest.raises(ValueError, match="weight: a tensor weight given in this window was negative"):
+            with pytest.raises(ValueError, match="one given as a device tensor was negative"):
                 opt.step(weight=weight)
     assert opt.micro_step == 0 and not opt.stepped
     for p, b in zip(model.parameters(), before, strict=True):
@@ -1723,7 +1751,8 @@ def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
     before = [p.detach().clone() for p in model.parameters()]
     x, y = _data([3], dtype=torch.float32)[0]
     tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
-    with pytest.raises(ValueError, match="divided by the loss scale"):
+    smallest = f"{torch.finfo(torch.float32).tiny * 2.0**20:.3g}"
+    with pytest.raises(ValueError, match=rf"divided by grad_scaler's loss scale .*at least {smallest}\)"):
         _micro_step(opt, model, x, y, loop, scaler, weight=tiny)
     assert opt.micro_step == 0 and not opt.stepped and scaler.get_scale() == 2.0**20
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -1752,7 +1781,7 @@ def test_a_bad_weight_flagged_in_an_open_window_survives_a_checkpoint(loop):
     resumed_scaler.load_state_dict(scaler.state_dict())
     resumed.load_state_dict(state)
     before = [p.detach().clone() for p in resumed_model.parameters()]
-    with pytest.raises(ValueError, match="divided by the loss scale"):
+    with pytest.raises(ValueError, match="divided by grad_scaler.s loss scale"):
         _micro_step(resumed, resumed_model, x2, y2, loop, resumed_scaler)
     assert all(torch.equal(a, b) for a, b in zip(before, resumed_model.parameters(), strict=True))
 

@@ -204,7 +204,12 @@ def test_a_built_extension_still_refuses_what_it_cannot_run_on(cuda_machine, mon
     assert "torch.cuda.is_available() is False" in cuda_module.unavailable_reason(CUDA)
     monkeypatch.setattr(torch.version, "cuda", None)
     assert "needs a CUDA build of torch" in cuda_module.unavailable_reason(CUDA)
-    assert gafused.available_backends(CUDA) == ["reference", "foreach", "triton"]
+    # No CUDA device: no backend can run on one (also those that run anywhere there is one).
+    assert gafused.available_backends(CUDA) == []
+    assert ops.backend_unavailable_reason("triton", CUDA) == "no CUDA device here: torch.cuda.is_available() is False"
+    with pytest.raises(RuntimeError, match="no CUDA device here"):
+        ops.resolve_backend("foreach", CUDA)
+    assert gafused.available_backends(CPU) == ["reference", "foreach"]
 
 
 def test_a_dispatch_mode_over_plain_tensors_goes_through_the_custom_op():

@@ -327,3 +327,31 @@ def test_runs_are_cut_at_the_longer_of_run_elements_and_the_longest_segment(monk
     assert total.item() == sum(buffer.numels)
     (scaled,) = seen.lists["_foreach_mul_"]
     assert [tensor.numel() for tensor in scaled] == [1024, 7 * 16 + 17, 5 * 16]
+
+
+def test_cached_views_follow_a_new_layout_of_the_same_tensor():
+    """The views are kept per tensor: a call with other offsets, or other element counts, on the same tensor must
+    measure the new segments, not the cached ones."""
+    acc = torch.arange(1.0, 9.0)
+    squares = [value**2 for value in range(1, 9)]
+    assert foreach_backend.sum_of_squares(acc, [0], [4], per_segment=False).item() == sum(squares[:4])
+    assert foreach_backend.sum_of_squares(acc, [4], [4], per_segment=False).item() == sum(squares[4:])  # offsets
+    assert foreach_backend.sum_of_squares(acc, [4], [2], per_segment=False).item() == sum(squares[4:6])  # numels
+    foreach_backend.scale_(acc, [0, 4], [2, 2], torch.tensor(2.0), None)
+    assert acc.tolist() == [2.0, 4.0, 3.0, 4.0, 10.0, 12.0, 7.0, 8.0]
+
+
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+def test_per_segment_squares_in_pieces_keep_every_segment(accum_dtype, monkeypatch):
+    """Per-segment sums of squares of a float32 buffer cut long segments in pieces (5 elements here) and sum them
+    back: one value per segment, the short ones after the last long one included, each of float64 norms."""
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", 40)
+    shapes = [(3,), (17,), (2,), (1, 100), (4,), (0,), (3,)]  # the last long segment is not the last
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in shapes], accum_dtype)
+    buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(12), dtype=accum_dtype))
+    # Pieces of [1, s, s, s, s]: float32 norms lose every s**2 to 1 (20.0); float64 ones do not (20.0000032).
+    buffer.segment(3).copy_(torch.tensor([1.0, 2e-4, 2e-4, 2e-4, 2e-4] * 20))
+    exact = torch.stack([buffer.segment(i).double().square().sum() for i in range(len(buffer))])
+    per_segment = ops.sum_of_squares(buffer, per_segment=True, backend="foreach")
+    assert per_segment.shape == (len(buffer),)
+    torch.testing.assert_close(per_segment.double(), exact, rtol=1e-7, atol=0)

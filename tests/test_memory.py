@@ -33,36 +33,57 @@ def test_tracker_counts_known_allocations_exactly():
     assert tracker.peak_after_mark() == 4000 + 24000 + 500
 
 
-def test_foreach_temporaries_stay_within_a_chunk(monkeypatch):
+def _peak(run) -> int:
+    """Peak live bytes allocated while ``run()`` runs, beyond what was live before."""
+    with memory.track_peak(torch.device("cpu")) as tracker:
+        tracker.mark()
+        run()
+    return tracker.peak_after_mark()
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.float64], ids=["acc_fp32", "acc_fp64"])
+def test_foreach_temporaries_stay_within_a_chunk(accum_dtype, monkeypatch):
     """Each foreach op that needs temporaries (conversions, products, float64 copies for norms) makes them at most
-    CHUNK_BYTES (4 MiB on CPU) at a time, even for a segment four times that long."""
+    CHUNK_BYTES (4 MiB on CPU) at a time, even for a segment four times that long, or one and a half, in a float32
+    or float64 buffer (a chunk holds half as many float64 elements)."""
     chunk = foreach_backend.CHUNK_BYTES
     assert chunk == 4 * 2**20  # the budget the README and docs/design.md give
-    buffer = FlatGradBuffer([torch.empty(chunk), torch.empty(5), torch.empty(3, 7)])  # chunk elements: 4x the bytes
+    per_chunk = chunk // torch.empty(0, dtype=accum_dtype).element_size()
+    shapes = [(4 * per_chunk,), (5,), (3 * per_chunk // 2,), (3, 7)]
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in shapes], accum_dtype)
     grads = [torch.randn(shape).to(torch.bfloat16) for shape in buffer.shapes]
     out = torch.empty(buffer.numel, dtype=torch.bfloat16)
     ops.fold_(buffer, grads, 0.5, first=True, backend="foreach")
     checked = ops.check_grads(buffer, grads)
     weight, scale = torch.tensor(0.5), torch.tensor(0.25)
-
-    def peak(run) -> int:
-        with memory.track_peak(torch.device("cpu")) as tracker:
-            tracker.mark()
-            run()
-        return tracker.peak_after_mark()
-
     peaks = {
-        "fold": peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach", check=False)),
-        "fold_finish": peak(lambda: ops.fold_finish_(buffer, checked, weight, scale, first=False, backend="foreach")),
-        "scale_into_out": peak(lambda: ops.scale_(buffer, scale, out=out, backend="foreach")),
+        "fold": _peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach", check=False)),
+        "fold_finish": _peak(lambda: ops.fold_finish_(buffer, checked, weight, scale, first=False, backend="foreach")),
+        "scale_into_out": _peak(lambda: ops.scale_(buffer, scale, out=out, backend="foreach")),
     }
     monkeypatch.setattr(foreach_backend, "_host_scalars", lambda device: False)  # the path a GPU takes
-    peaks["device_fold"] = peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach"))
+    peaks["device_fold"] = _peak(lambda: ops.fold_(buffer, checked, weight, first=False, backend="foreach"))
     monkeypatch.undo()
     # float64 gradients into a float32 buffer are added in float64 on CPU: wider temporaries, the same budget.
     wide = [grad.double() for grad in grads]
-    peaks["fold_float64_grads"] = peak(lambda: ops.fold_(buffer, wide, weight, first=False, backend="foreach"))
+    peaks["fold_float64_grads"] = _peak(lambda: ops.fold_(buffer, wide, weight, first=False, backend="foreach"))
     slack = 2**16  # 0-d tensors, per-segment norms
+    assert all(0 < value <= chunk + slack for value in peaks.values()), peaks
+
+
+def test_foreach_per_segment_squares_stay_within_a_chunk():
+    """Per-segment norms of a float32 buffer copy to float64 a piece at a time; and a segment measured there (its
+    length cached for that chunk) is still cut for a later fold of float64 gradients, which needs 16 bytes an
+    element, not 8."""
+    chunk = foreach_backend.CHUNK_BYTES
+    buffer = FlatGradBuffer([torch.empty(chunk), torch.empty(chunk // 8), torch.empty(3, 7)])
+    ops.fold_(buffer, [torch.randn(shape) for shape in buffer.shapes], 0.5, first=True, backend="foreach")
+    wide = ops.check_grads(buffer, [torch.randn(shape, dtype=torch.float64) for shape in buffer.shapes])
+    peaks = {
+        "per_segment_squares": _peak(lambda: ops.sum_of_squares(buffer, per_segment=True, backend="foreach")),
+        "fold_float64_grads": _peak(lambda: ops.fold_(buffer, wide, 0.5, first=False, backend="foreach")),
+    }
+    slack = 2**16
     assert all(0 < value <= chunk + slack for value in peaks.values()), peaks
 
 

@@ -892,7 +892,7 @@ def test_a_checkpoint_whose_device_weight_was_bad_loads_and_its_window_is_refuse
     _loss(model, x).backward()
     target.step(weight=x.shape[0])
     _loss(model, last).backward()
-    with pytest.raises(ValueError, match="weight: a tensor weight given in this window"):
+    with pytest.raises(ValueError, match="weight: a weight of this window was refused at its end"):
         target.step(weight=last.shape[0])  # the window's third micro-batch, its end
     assert target.micro_step == 0 and not target.stepped
 
@@ -1009,6 +1009,10 @@ def _corrupt(field):
             window["buffers"][0]["had_grad"] = window["buffers"][0]["had_grad"][:-1]
         elif field == "weight_sum missing":
             window["weight_sum"] = None
+        elif field == "weight_sum deleted":
+            del window["weight_sum"]
+        elif field == "buffers deleted":
+            del window["buffers"]
         elif field.startswith("weight_sum ="):  # a value no window's weights sum to
             window["weight_sum"] = torch.tensor(float(field.split("=")[1]), dtype=torch.float64)
         elif field == "segments bf16":  # rounded: the window's sums would lose their precision silently
@@ -1051,6 +1055,8 @@ def _corrupt(field):
         ("micro_step too large", "micro_step"),
         ("had_grad length", "had_grad"),
         ("weight_sum missing", "weight_sum"),
+        ("weight_sum deleted", r"\['weight_sum'\]: expected a 0-d torch.float64 tensor .*, it is missing"),
+        ("buffers deleted", r"\['buffers'\]: expected a list of dicts .* \(it is missing\)"),
         ("weight_sum = -1", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
         ("weight_sum = inf", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
         ("weight_sum = nan", r"\['weight_sum'\]: expected a sum of micro-batch weights"),
