@@ -249,18 +249,21 @@ class GradAccumulator(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        if isinstance(optimizer, GradAccumulator):
+        # A class is named as one (the instance is what was meant); an unsupported or wrapped optimizer, class or not,
+        # says why it cannot be wrapped.
+        kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+        if issubclass(kind, GradAccumulator):
             raise TypeError("optimizer must be the inner torch.optim.Optimizer, not another GradAccumulator")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"optimizer must be a torch.optim.Optimizer instance, got the class {optimizer.__name__}: build "
-                    f"it first, e.g. GradAccumulator({optimizer.__name__}(model.parameters(), lr=...), ...)"
-                )
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         for unsupported, why in _UNSUPPORTED_OPTIMIZERS.items():
-            if isinstance(optimizer, unsupported):
+            if issubclass(kind, unsupported):
                 raise TypeError(f"optimizer: {unsupported.__name__} cannot be wrapped: {why}")
+        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer instance, got the class {optimizer.__name__}: build it "
+                f"first, e.g. GradAccumulator({optimizer.__name__}(model.parameters(), lr=...), ...)"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.accumulation_steps = accumulation_steps  # checked by the property setters below
         self.max_grad_norm = max_grad_norm
         self.normalization = normalization
@@ -1809,16 +1812,21 @@ class GradAccumulator(torch.optim.Optimizer):
         self._grad_norm = norm
         if bad:  # a refused window leaves the loss scaler as it was
             tiny, top, dtype = self._weight_range
-            scaled = ""
-            if self._inv_loss_scale is not None:  # (an error path: its read may cost a second sync)
-                scale = 1 / self._inv_loss_scale.item()
-                scaled = f" (at the loss scale {scale:g}, a weight must be 0 or at least {tiny * scale:.3g})"
+            cause = (
+                f"one given as a device tensor was negative, nan, inf or outside {str(dtype).removeprefix('torch.')}'s "
+                f"normal range ({tiny:.3g} to {top:.3g})"
+            )
+            if self._grad_scaler is not None:
+                cause += ", or one divided by grad_scaler's loss scale left that range"
+                # (An error path: reading the scale may cost a second sync. 0 stands for an infinite scale.)
+                inverse = None if self._inv_loss_scale is None else self._inv_loss_scale.item()
+                if inverse:
+                    scale = 1 / inverse
+                    cause += f" (at the loss scale {scale:g}: 0, or {tiny * scale:.3g} to {top * scale:.3g})"
             self._discard_window()
             raise ValueError(
-                f"weight: a weight of this window was refused at its end: one given as a device tensor was negative, "
-                f"nan, inf or outside {str(dtype).removeprefix('torch.')}'s normal range ({tiny:.3g} to {top:.3g}), "
-                f"or one divided by grad_scaler's loss scale left that range{scaled}; the window was discarded and "
-                "the inner optimizer did not step"
+                f"weight: a weight of this window was refused at its end: {cause}; the window was discarded and the "
+                "inner optimizer did not step"
             )
         if nonfinite:
             self._skip_window(found_inf)

@@ -146,8 +146,9 @@ class FlatGradBuffer:
             or alignment_bytes & (alignment_bytes - 1)
         ):
             raise ValueError(f"FlatGradBuffer: alignment_bytes must be a power of two >= 16, got {alignment_bytes}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
             raise ValueError(f"FlatGradBuffer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        bucket_bytes = int(bucket_bytes)  # (a NumPy integer passes the check)
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"FlatGradBuffer: params[{i}] must be a torch.Tensor, got {type(p).__name__}")

@@ -3,8 +3,8 @@
 ``GradAccumulator.state_dict()`` adds a ``"gafused"`` entry to the inner optimizer's state_dict: the window's
 position and weights, and per buffer its parameters' sizes, shapes, positions and accumulated segments (each in
 its parameter's row-major order). ``load_state_dict()`` takes it apart here (``split``), checks it whole against
-the accumulator before anything changes (``check_groups_match``, ``validated_window``) and then restores it. Every
-refusal is a ValueError naming the field, and changes nothing.
+the accumulator before anything changes (``check_groups_match``, ``validated_window``) and then restores it. A
+refused checkpoint changes nothing; a bad field raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
         raise ValueError(
             f"state_dict['gafused']['normalization']: the checkpoint's open window was accumulated to be finished "
             f"as {normalization!r}, and this accumulator has normalization={acc.normalization!r}: set "
-            f"opt.normalization = {normalization!r} before loading it, or load a checkpoint taken between windows"
+            f"opt.normalization = {normalization!r} (between windows) before loading it, or load a checkpoint taken "
+            "between windows"
         )
     for name, dtype, required in (
         ("weight_sum", torch.float64, open_window),

@@ -32,7 +32,8 @@ gets one of at most ``CHUNK_BYTES`` (``DEVICE_CHUNK_BYTES`` off the CPU) at a ti
 the backend's peak memory stays within a few MB of the reference's whatever the model's size. On CPU the two made
 at a window's end are smaller still: the products cast into ``out`` no longer than the buffer's longest segment (a
 cast per segment makes that much), the float64 copies of the norm no bigger than it in bytes, so a window's end
-costs no more than Megatron-style accumulation's, whose peak is there too (``python bench/memory.py --quick``).
+costs no more than Megatron-style accumulation's, whose peak is there too (``python bench/memory.py --quick``);
+neither is cut below ``END_PIECE_ELEMENTS`` elements (64 KB of float64), so small segments are not one call each.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_rea
 # costs a few launches, so chunks are larger there: a few MB would make a large model's fold launch-bound.
 CHUNK_BYTES = 4 * 2**20
 DEVICE_CHUNK_BYTES = 64 * 2**20
+# On CPU the temporaries made at a window's end (the products scale_ casts into out, the float64 copies of the total
+# norm) are kept to about the buffer's longest segment, so that end holds no more than Megatron-style accumulation's
+# (module docstring); but pieces are not cut shorter than this, so a buffer of small segments is not cast or measured
+# with a call per segment (a few tens of KB of temporaries at most).
+END_PIECE_ELEMENTS = 2**13
 # A run of segments (``_runs``) is cut into pieces of at most this many elements, or of the longest segment where
 # that is longer: no tensor handed to an op is larger than both (a 32-bit element index covers each).
 RUN_ELEMENTS = 2**30
@@ -374,10 +380,11 @@ def _total_squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=acc.device)
     pieces = views.runs
     if acc.device.type == "cpu" and acc.dtype != torch.float64:
-        # Pieces of at most half the longest segment: a piece's float64 copy is no bigger than that segment, a
-        # temporary as large as a cast of one gradient makes (within CHUNK_BYTES too). Folding at step() measures
-        # while the last micro-batch's gradients are still alive, so a bigger copy would raise the window's peak.
-        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), max(1, views.longest // 2)))
+        # Pieces of at most half the longest segment (END_PIECE_ELEMENTS at least): a piece's float64 copy is no
+        # bigger than that segment, a temporary as large as a cast of one gradient makes (within CHUNK_BYTES too).
+        # Folding at step() measures while the last micro-batch's gradients are still alive, so a bigger copy would
+        # raise the window's peak.
+        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), max(views.longest // 2, END_PIECE_ELEMENTS)))
     return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
 
 
@@ -460,9 +467,9 @@ def scale_(
         return
     limit = _chunk_elements(acc.device, acc.element_size())
     if acc.device.type == "cpu":
-        # No product longer than the longest segment, which a cast per segment (the reference's torch.mul(...,
-        # out=), which CPU computes into a temporary in acc's dtype) makes anyway: the peak stays where it was.
-        limit = min(limit, views.longest)
+        # No product longer than the longest segment (or END_PIECE_ELEMENTS), which a cast per segment (the
+        # reference's torch.mul(..., out=), which CPU computes into a temporary in acc's dtype) makes anyway.
+        limit = min(limit, max(views.longest, END_PIECE_ELEMENTS))
     # out has acc's layout: the same runs, cut into the same pieces.
     segments = views.run_pieces(limit)
     targets = [piece for run in _split_runs(out, views.run_bounds) for piece in run.split(limit)]

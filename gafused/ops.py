@@ -106,8 +106,6 @@ def backend_unavailable_reason(name: str, device: torch.device | str) -> str | N
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {name!r}")
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "no CUDA device here: torch.cuda.is_available() is False"
     module = _load(name)
     if module is None:
         return f"gafused backend {name!r} failed to import: {_import_errors[name]!r}"
@@ -116,9 +114,12 @@ def backend_unavailable_reason(name: str, device: torch.device | str) -> str | N
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
-    """Backends that can run on ``device`` (default: the current CUDA device if there is one, else CPU)."""
+    """Backends that can run on ``device`` (default: the current CUDA device if there is one, else CPU): none on a
+    CUDA device where torch sees none. (The ops themselves still take CUDA tensors there under FakeTensorMode.)"""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return []
     return [name for name in BACKENDS if backend_unavailable_reason(name, device) is None]
 
 

@@ -831,6 +831,10 @@ def test_constructor_rejects_non_optimizers_and_complex_parameters():
         GradAccumulator(_model().parameters(), accumulation_steps=2)
     with pytest.raises(TypeError, match=r"instance, got the class AdamW: build it first, e.g. .*\(AdamW\("):
         GradAccumulator(torch.optim.AdamW, accumulation_steps=2)
+    with pytest.raises(TypeError, match="LBFGS cannot be wrapped"):
+        GradAccumulator(torch.optim.LBFGS, accumulation_steps=2)
+    with pytest.raises(TypeError, match="not another GradAccumulator"):
+        GradAccumulator(GradAccumulator, accumulation_steps=2)
     complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
     with pytest.raises(ValueError, match="must be float16, bfloat16, float32 or float64, got torch.complex64"):
         GradAccumulator(torch.optim.SGD([complex_param], lr=0.1), accumulation_steps=2)
@@ -1225,7 +1229,9 @@ def test_checkpoint_window_must_fit_the_accumulator():
     with pytest.raises(ValueError, match=r"\['micro_step'\].*accumulation_steps=4"):
         counted.load_state_dict(open_window)
     mean = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
-    with pytest.raises(ValueError, match=r"\['normalization'\].*as 'sum'.*normalization='mean'.*= 'sum' before"):
+    with pytest.raises(
+        ValueError, match=r"\['normalization'\].*as 'sum'.*normalization='mean'.*= 'sum' \(between windows\) before"
+    ):
         mean.load_state_dict(open_window)
     twin = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None)
     twin.normalization = "sum"  # what the refusal says to do
@@ -1751,14 +1757,29 @@ def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
     before = [p.detach().clone() for p in model.parameters()]
     x, y = _data([3], dtype=torch.float32)[0]
     tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
-    smallest = f"{torch.finfo(torch.float32).tiny * 2.0**20:.3g}"
-    with pytest.raises(ValueError, match=rf"divided by grad_scaler's loss scale .*at least {smallest}\)"):
+    fitting = re.escape(f"0, or {torch.finfo(torch.float32).tiny * 2.0**20:.3g} to ")  # the weights that fit
+    with pytest.raises(ValueError, match=rf"divided by grad_scaler's loss scale .*: {fitting}"):
         _micro_step(opt, model, x, y, loop, scaler, weight=tiny)
     assert opt.micro_step == 0 and not opt.stepped and scaler.get_scale() == 2.0**20
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     opt.backward(_loss(model, x, y), weight=3.0)  # a weight that fits still folds
     opt.step()
     assert opt.stepped
+
+
+def test_weight_above_the_range_once_divided_by_a_loss_scale_below_one_is_refused_with_that_range():
+    """A loss scale below 1 raises a weight: one near float32's maximum leaves the range from above, and the refusal
+    gives the range of weights that fit at that scale, both ends."""
+    model = _model(torch.float32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.5)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_scaler=scaler)
+    x, y = _data([3], dtype=torch.float32)[0]
+    tiny, top = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    with pytest.raises(
+        ValueError, match=re.escape(f"at the loss scale 0.5: 0, or {tiny * 0.5:.3g} to {top * 0.5:.3g})")
+    ):
+        _micro_step(opt, model, x, y, "backward", scaler, weight=2e38)
+    assert opt.micro_step == 0 and not opt.stepped
 
 
 def test_a_bad_weight_flagged_in_an_open_window_survives_a_checkpoint(loop):

@@ -281,10 +281,18 @@ def test_ops_over_runs_are_bitwise_the_reference_and_leave_padding_alone(host, c
     assert padding.any() and candidate.data[padding].isnan().all()
 
 
-def test_a_finishing_fold_scales_and_measures_runs_not_segments():
+def test_a_finishing_fold_scales_and_measures_runs_not_segments(monkeypatch):
     """On CPU: the window scale is one multiply per run of segments, and the sum of squares the float64 norms of the
-    runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment)."""
+    runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment), or of
+    END_PIECE_ELEMENTS (the runs whole here)."""
     buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
+    grads = [torch.ones(shape) for shape in RUN_SHAPES]
+    layout = (buffer.data, grads, buffer.offsets, buffer.numels)
+    foreach_backend.fold_(*layout, torch.tensor(1.0), True)
+    with _ForeachLists() as seen:
+        foreach_backend.fold_finish_(*layout, torch.tensor(1.0), torch.tensor(0.5), False)
+    assert [tensor.numel() for tensor in seen.lists["_foreach_norm"][0]] == [1024 + 7 * 16 + 17, 5 * 16]
+    monkeypatch.setattr(foreach_backend, "END_PIECE_ELEMENTS", 1)
     grads = [torch.ones(shape) for shape in RUN_SHAPES]
     layout = (buffer.data, grads, buffer.offsets, buffer.numels)
     foreach_backend.fold_(*layout, torch.tensor(1.0), True)
@@ -301,16 +309,22 @@ def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     assert [len(tensors) for tensors in seen.lists["_foreach_mul_"]] == [2]
 
 
-def test_scale_into_out_makes_no_product_longer_than_the_longest_segment():
+@pytest.mark.parametrize(
+    "floor, pieces", [(1, [1024, 7 * 16 + 17, 5 * 16]), (None, [1024 + 7 * 16 + 17, 5 * 16])], ids=["1", "default"]
+)
+def test_scale_into_out_makes_no_product_longer_than_the_longest_segment(floor, pieces, monkeypatch):
     """On CPU the products cast into ``out`` are the runs in pieces of at most the longest segment (what a cast per
-    segment makes), however long the runs, and they are the reference's bits."""
+    segment makes), however long the runs, or of END_PIECE_ELEMENTS (so small segments are not cast one call each:
+    the runs whole here), and they are the reference's bits."""
+    if floor is not None:
+        monkeypatch.setattr(foreach_backend, "END_PIECE_ELEMENTS", floor)
     buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
     buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(3)))
     out, expected = (torch.zeros(buffer.numel, dtype=torch.bfloat16) for _ in range(2))
     with _ForeachLists() as seen:
         foreach_backend.scale_(buffer.data, buffer.offsets, buffer.numels, torch.tensor(0.37), out)
     products = [tensor for tensors in seen.lists["_foreach_mul"] for tensor in tensors]
-    assert [tensor.numel() for tensor in products] == [1024, 7 * 16 + 17, 5 * 16]
+    assert [tensor.numel() for tensor in products] == pieces
     ops.scale_(buffer, torch.tensor(0.37), out=expected, backend="reference")
     assert torch.equal(out, expected)
 

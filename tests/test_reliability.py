@@ -892,8 +892,9 @@ def test_a_checkpoint_whose_device_weight_was_bad_loads_and_its_window_is_refuse
     _loss(model, x).backward()
     target.step(weight=x.shape[0])
     _loss(model, last).backward()
-    with pytest.raises(ValueError, match="weight: a weight of this window was refused at its end"):
+    with pytest.raises(ValueError, match="weight: a weight of this window was refused at its end") as refused:
         target.step(weight=last.shape[0])  # the window's third micro-batch, its end
+    assert "grad_scaler" not in str(refused.value)  # (none here: no loss scale divided any weight)
     assert target.micro_step == 0 and not target.stepped
 
 
