@@ -774,73 +774,6 @@ def test_on_a_gpu_the_memory_cases_follow_an_unrecorded_one(monkeypatch) -> None
     assert [row["peak_bytes_per_param"] for row in gpu_rows] == list(range(2, len(calls) + 1))
 
 
-def test_kernel_configs_times_the_triton_folds_under_each_block_configuration(monkeypatch) -> None:
-    import kernel_configs
-
-    from gafused.triton_backend import _layout
-
-    # Triton runs on CPU only under its interpreter (TRITON_INTERPRET=1, as CI sets); on a GPU machine without it,
-    # the folds run on the GPU.
-    device = torch.device("cpu")
-    reason = gafused.ops.backend_unavailable_reason("triton", device)
-    if reason is not None and torch.cuda.is_available():
-        device = torch.device("cuda")
-        reason = gafused.ops.backend_unavailable_reason("triton", device)
-    if reason is not None:
-        pytest.skip(reason)
-    built = []
-    original = _layout._block_table
-
-    def spy(device, itemsize, acc_numel, offsets, numels):
-        table = original(device, itemsize, acc_numel, offsets, numels)
-        built.append((table.block_size, table.num_warps))
-        return table
-
-    from gafused.triton_backend import fold
-
-    launched = []  # (block, warps, gradient dtype) of every fold launch
-    real_kernel = fold._fold_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((kwargs["BLOCK"], kwargs["num_warps"], args[1].dtype))
-                return real_kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(_layout, "_block_table", spy)
-    monkeypatch.setattr(fold, "_fold_kernel", Recording())
-    rows = kernel_configs.run(device, [1 / 64], [(512, 2), (256, 8)], reps=3)
-    # The heuristic's own config first, then the ones asked for; each config's warps reach the fold launches of
-    # both gradient dtypes (fold_num_warps would give 16-bit gradients 4 of 8); both heuristics are restored.
-    assert built == [(1024, 4), (512, 2), (256, 8)]
-    assert set(launched) == {(b, w, d) for b, w in built for d in (torch.bfloat16, torch.float32)}
-    assert _layout.launch_config((1 << 20,)) == (4096, 8) and fold.fold_num_warps is _layout.fold_num_warps
-    # On a GPU with gafused._C built, the cuda backend's rows come too, of its one (default) configuration.
-    triton_rows = [r for r in rows if r["backend"] == "triton"]
-    others = [r for r in rows if r["backend"] != "triton"]
-    assert all(r["backend"] == "cuda" and r["config"] == "default" for r in others)
-    assert bool(others) == ("cuda" in gafused.available_backends(device))
-    seen = {(r["config"], r["op"], r["grad_dtype"]) for r in triton_rows}
-    folds = {(op, dtype) for op in ("fold", "fold_finish") for dtype in ("bf16", "fp32")}
-    assert seen == {("default", *k) for k in folds | {("scale_cast", "-"), ("sum_of_squares", "-")}} | {
-        (config, *k) for k in folds for config in ("512x2", "256x8")
-    }
-    assert all(r["idle_ms"] > 0 and (r["queued_ms"] is None) == (device.type == "cpu") for r in rows)
-    table = kernel_configs.format_table(rows)
-    assert "512x2" in table and "fold_finish" in table
-
-
-@pytest.mark.parametrize("text", ["4096", "100x8", "4096x3", "4096x8,x"])
-def test_kernel_configs_refuses_a_malformed_config(text: str) -> None:
-    import kernel_configs
-
-    with pytest.raises(ValueError, match="--configs"):
-        kernel_configs.parse_configs(text)
-    assert kernel_configs.parse_configs("4096x8, 8192x16") == [(4096, 8), (8192, 16)]
-
-
 def test_end_to_end_tables_show_the_requested_peak_where_it_was_measured() -> None:
     """Results with ``peak_requested_mb`` (the allocator's requested-bytes peak, free of block rounding) show it
     beside the block peak; older results, which lack it, print as before."""
@@ -1038,36 +971,6 @@ def test_the_readme_gpu_kernel_configuration_figures_are_the_committed_results()
     from gafused.triton_backend._layout import fold_num_warps, launch_config
 
     assert launch_config((1 << 20,)) == (4096, 8) and fold_num_warps(8, 4, 2) == 4
-
-
-def test_e2e_profile_reports_each_accumulation_recipe_and_gafused_own_host_time(tmp_path) -> None:
-    import e2e_profile
-
-    originals = {name: getattr(gafused.GradAccumulator, name) for name in ("backward", "step", "on_bucket_ready")}
-    assert e2e_profile.main(["--quick", "--device", "cpu", "--warmup", "1", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("*-e2e-profile.json")
-    results = json.loads(path.read_text())
-    recipes = results["recipes"]
-    assert [label.split(":")[0] for label in recipes] == ["plain", "gafused", "gafused backward"]
-    n = results["config"]["accumulation_steps"]
-    plain, step, backward = recipes.values()
-    assert plain["gafused_ranges"] == {} and plain["backend"] is None
-    # One backward() per micro-batch in the loop that folds during backward, none in the other; step() in both.
-    assert "gafused: GradAccumulator.backward" not in step["gafused_ranges"]
-    assert backward["gafused_ranges"]["gafused: GradAccumulator.backward"]["count"] == n
-    assert backward["gafused_ranges"]["gafused: on_bucket_ready (fold one bucket)"]["count"] >= n
-    assert step["gafused_ranges"]["gafused: GradAccumulator.step"]["count"] == n
-    assert all(r["kernels"] == 0 and r["kernel_busy_ms"] is None and r["wall_ms"] > 0 for r in recipes.values())
-    # The wrappers are gone once the profile is over.
-    assert all(getattr(gafused.GradAccumulator, name) is method for name, method in originals.items())
-    assert "e2e-profile" in path.name and path.with_suffix(".txt").read_text().startswith("one window per recipe")
-
-
-def test_busy_time_is_the_union_of_kernel_intervals() -> None:
-    import e2e_profile
-
-    assert e2e_profile._busy_ms([(0, 1000), (500, 1500), (3000, 4000), (3200, 3300)]) == 2.5
-    assert e2e_profile._busy_ms([]) == 0.0
 
 
 # --- a run stopped by its time limit keeps what it measured (SIGTERM from bench/gpu_check.sh's `timeout`) ---------
