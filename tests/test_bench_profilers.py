@@ -135,6 +135,7 @@ def test_e2e_profile_recipe_reports_what_the_profiler_saw_in_ms(monkeypatch) -> 
         _Average("gafused: GradAccumulator.step", 4, 50.0, 1200.0),
         _Average("gafused: GradAccumulator.step", 4, 0.0, 0.0, device_type=_CUDA),
         _Average("aten::addmm", 8, 700.0, 800.0),
+        _Average("gafused::fold_", 4, 30.0, 40.0),  # a custom op, not an entry point
     ]
     monkeypatch.setattr(torch.profiler, "profile", _FakeProfile(events, averages))
     clock = iter([10.0, 10.004, 10.010])
