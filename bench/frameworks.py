@@ -630,12 +630,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small scenarios (smoke run)")
     parser.add_argument("--out", type=Path, help=f"JSON file (default {DEFAULT_OUT}; with --quick, {QUICK_OUT})")
-    parser.add_argument("--table", action="store_true", help="print the tables of --out and run nothing")
+    parser.add_argument(
+        "--table", action="store_true", help=f"print the tables of --out (default {DEFAULT_OUT}, also with --quick) "
+        "and run nothing"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     out = args.out or (QUICK_OUT if args.quick and not args.table else DEFAULT_OUT)
     if args.table:
-        print(format_tables(json.loads(out.read_text())))
+        try:
+            print(format_tables(json.loads(out.read_text())))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError) as error:
+            parser.error(f"--table: cannot read the results of {out} ({type(error).__name__}: {error})")
         return 0
+    problem = provenance.out_file_problem(out)
+    if problem is not None:
+        parser.error(f"--out: {problem}")
     results = run(args.quick)
     args.out = out
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=64)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=200, help="samples per case and run (at least 2; default 200)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument(
         "--runs", type=int, default=1, help="measure this many times, one after another (default 1), and print the "
@@ -443,13 +443,19 @@ def main(argv: list[str] | None = None) -> int:
         "this folder (<device>-<UTC time>-host-<tensors>x<numel>-<dtype>)"
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.runs < 1:
-        parser.error(f"--runs must be at least 1, got {args.runs}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out: {args.out} exists and is not a directory")
+    for option, value, least in (("--runs", args.runs, 1), ("--reps", args.reps, 2), ("--tensors", args.tensors, 1),
+                                 ("--numel", args.numel, 1), ("--threads", args.threads, 1)):  # fmt: skip
+        if value < least:
+            parser.error(f"{option} must be at least {least}, got {value}")
+    try:
+        device = provenance.selected_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
+    problem = None if args.out is None else provenance.out_problem(args.out)
+    if problem is not None:
+        parser.error(f"--out: {problem}")
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    device = torch.device(args.device)
     runs: list[list[dict[str, object]]] = []
     stopped = None
     with interrupt.sigterm_raises():

@@ -13,6 +13,10 @@ for any other, ``git log --format='%h %T' | grep <tree>`` finds the commit whose
 Untracked files count (``git_untracked`` names them), results written inside the tree included, and clean or
 smudge filters (line endings, LFS) are not applied. An untracked repository of its own inside the checkout counts
 as the commit it has checked out, as ``git add --all`` records it; one with no commit leaves ``git_tree`` None.
+
+The scripts import the installed gafused, which is this checkout's after ``pip install -e .`` but may be another
+copy: ``gafused_from_checkout`` says whether the package that ran is this checkout's ``gafused/``, the code the
+tree describes.
 """
 
 from __future__ import annotations
@@ -181,12 +185,20 @@ def facts(device: torch.device | str) -> dict:
         "git_commit": commit,
         "git_tracked_files_modified": modified,
         **git_tree(),
+        "gafused_from_checkout": gafused_from_checkout(),
         "cpu_cores": os.cpu_count(),
         "cpu_cores_usable": usable,
         "cuda_version": torch.version.cuda,
         "cuda_driver_version": _driver_version(device),
         "triton": package_version("triton", "pytorch-triton"),
     }
+
+
+def gafused_from_checkout(root: Path = _ROOT) -> bool:
+    """Whether the gafused package imported here is ``root``'s ``gafused/`` (not another install of it)."""
+    import gafused
+
+    return Path(gafused.__file__).resolve().parent == (root / "gafused").resolve()
 
 
 def cpu_name() -> str:
@@ -206,6 +218,44 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU {cpu_name()}"
+
+
+def selected_device(text: str | None) -> torch.device:
+    """A bench script's ``--device`` (cuda, cuda:N or cpu; None: cuda when torch sees one, else cpu), or ValueError
+    saying why torch cannot use it (for the script to refuse before anything runs)."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{text!r} is neither cuda (cuda:N) nor cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{text} asked for, but torch {torch.__version__} sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{text} does not exist; {torch.cuda.device_count()} CUDA device(s) seen")
+    return device
+
+
+def out_problem(out: Path) -> str | None:
+    """Why the folder ``out`` cannot take a script's results (a file there or above it, no permission to write), or
+    None. Creates nothing: scripts ask before they measure, and make the folder when they save."""
+    existing = out
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} exists and is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def out_file_problem(path: Path) -> str | None:
+    """As ``out_problem``, for a script that writes the results file ``path`` itself (and a .csv beside it)."""
+    if path.is_dir():
+        return f"{path} is a directory; a JSON file is expected"
+    return out_problem(path.parent)
 
 
 def slug(text: str) -> str:

@@ -211,20 +211,10 @@ def _copy_nbytes(param_set: param_sets.ParamSet, device: torch.device, quick: bo
 
 def _selected_device(args) -> torch.device:
     """``--device`` (cuda or cpu; the default: cuda when available), refused when torch cannot use it."""
-    if args.device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cuda", "cpu"):
-        raise SystemExit(f"--device: {args.device!r} is neither cuda (cuda:N) nor cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device: {args.device} asked for, but torch {torch.__version__} sees no CUDA device; "
-                         f"use --device cpu")  # fmt: skip
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise SystemExit(f"--device: {args.device} does not exist; {torch.cuda.device_count()} CUDA device(s) seen")
-    return device
+        return provenance.selected_device(args.device)
+    except ValueError as error:
+        raise SystemExit(f"--device: {error}") from None
 
 
 def _selected_dtypes(args, mode: str) -> list[str]:
@@ -580,16 +570,24 @@ def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progr
     where["during"] = None
 
 
+def _results_file(option: str, path: Path) -> dict:
+    """The results JSON ``path`` names, or the refusal of ``option`` when it is not one."""
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{option}: {path} is not a results JSON written by bench/run.py ({error})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     for option, path in (("--table", args.table), ("--plot-only", args.plot_only)):
         if path is not None and not path.is_file():
             raise SystemExit(f"{option}: {path} is not a file (a results JSON written by bench/run.py)")
     if args.table:
-        print(summary.readme_tables(json.loads(args.table.read_text())))
+        print(summary.readme_tables(_results_file("--table", args.table)))
         return 0
     if args.plot_only:
-        saved = json.loads(args.plot_only.read_text())
+        saved = _results_file("--plot-only", args.plot_only)
         stem = args.plot_only.with_suffix("")
         print("wrote " + ", ".join(map(str, plots.write_all(saved, stem, list(providers.PROVIDERS)))))
         return 0
@@ -606,11 +604,10 @@ def main(argv: list[str] | None = None) -> int:
         device_label += f" ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     now = datetime.datetime.now(datetime.timezone.utc)
     out = args.out if args.out is not None else default_out()
-    if out.exists() and not out.is_dir():
-        raise SystemExit(f"--out: {out} exists and is not a directory")
+    problem = provenance.out_problem(out)
+    if problem is not None:
+        raise SystemExit(f"--out: {problem}")
     out.mkdir(parents=True, exist_ok=True)
-    if not os.access(out, os.W_OK):
-        raise SystemExit(f"--out: {out} is not writable")
     progress = progress_bars.factory(not args.no_progress)
     print(
         f"gafused {gafused.__version__}, {mode} run on {device_label}, torch {torch.__version__}; results to {out}",

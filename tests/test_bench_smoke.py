@@ -668,10 +668,14 @@ _UNTIMED_ON_CPU = [name for name in providers.PROVIDERS if name not in providers
         (["--threads", "0"], "--threads must be >= 1"),
         (["--compile-max-tensors", "-1"], "--compile-max-tensors must be >= 0"),
         (["--table", "MISSING"], "is not a file"),
+        (["--table", "NOTJSON"], "is not a results JSON written by bench/run.py"),
+        (["--plot-only", "NOTJSON"], "--plot-only: "),
+        (["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
         (["--kernels-only", "--no-kernels"], "--kernels-only with --no-kernels leaves nothing to run"),
     ],
     ids=["dtype", "empty-dtype", "unknown-set", "set-of-another-mode", "no-provider-runs", "empty-provider",
-         "device", "threads", "compile-max-tensors", "missing-table", "nothing-to-run"],
+         "device", "threads", "compile-max-tensors", "missing-table", "table-not-json", "plot-not-json",
+         "out-below-a-file", "nothing-to-run"],
 )  # fmt: skip
 def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     monkeypatch, tmp_path, capsys, argv, message
@@ -685,12 +689,53 @@ def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
 
     monkeypatch.setattr(run, "_run_parts", too_late)
     out = tmp_path / "out"
-    argv = [str(tmp_path / "missing.json") if arg == "MISSING" else arg for arg in argv]
+    (tmp_path / "not.json").write_text("not JSON")
+    (tmp_path / "file").write_text("")
+    names = {"MISSING": "missing.json", "NOTJSON": "not.json", "FILE": "file"}
+    argv = [re.sub("|".join(names), lambda m: str(tmp_path / names[m[0]]), arg) for arg in argv]
+    message = message.replace("FILE", str(tmp_path / "file"))
     with pytest.raises(SystemExit) as info:
         run.main(["--quick", "--no-progress", "--device", "cpu", "--out", str(out), *argv])
     assert info.value.code not in (0, None)
     assert message in str(info.value.code) + capsys.readouterr().err
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "file" / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "message"),
+    [
+        ("host_overhead", ["--reps", "1"], "--reps must be at least 2, got 1"),
+        ("host_overhead", ["--tensors", "0"], "--tensors must be at least 1, got 0"),
+        ("host_overhead", ["--numel", "0"], "--numel must be at least 1, got 0"),
+        ("host_overhead", ["--threads", "0"], "--threads must be at least 1, got 0"),
+        ("host_overhead", ["--device", "tpu"], "--device: 'tpu' is neither cuda (cuda:N) nor cpu"),
+        ("host_overhead", ["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
+        ("e2e_profile", ["--device", "tpu"], "--device: 'tpu' is neither cuda (cuda:N) nor cpu"),
+        ("e2e_profile", ["--out", "FILE"], "--out: FILE exists and is not a directory"),
+        ("distributed", ["--out", "DIR"], "--out: DIR is a directory; a JSON file is expected"),
+        ("distributed", ["--out", "FILE/out.json"], "--out: FILE exists and is not a directory"),
+        ("frameworks", ["--out", "DIR"], "--out: DIR is a directory; a JSON file is expected"),
+        ("frameworks", ["--table", "--out", "FILE"], "--table: cannot read the results of FILE (JSONDecodeError"),
+        ("frameworks", ["--table", "--out", "DIR/missing.json"], "--table: cannot read the results of DIR/missing"),
+    ],
+)
+def test_the_other_scripts_refuse_bad_options_before_they_measure(monkeypatch, tmp_path, capsys, script, argv, message):
+    """Exit status 2 with the option named, before anything is measured or written: not a traceback (or a lost run,
+    where the output was checked only when saving it)."""
+    import importlib
+
+    module = importlib.import_module(script)
+    for name in ("run", "rows", "profile_recipe"):  # what measures, in each script
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, lambda *args, **kwargs: pytest.fail("measured before refusing"))
+    (tmp_path / "file").write_text("not JSON")
+    places = {"FILE": str(tmp_path / "file"), "DIR": str(tmp_path)}
+    argv = [re.sub("FILE|DIR", lambda m: places[m[0]], arg) for arg in argv]
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    assert info.value.code == 2
+    assert re.sub("FILE|DIR", lambda m: places[m[0]], message) in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]
 
 
 def test_a_provider_selection_that_cannot_run_here_exits_non_zero_with_the_reasons(tmp_path) -> None:
@@ -1289,6 +1334,16 @@ def test_readme_tables_skip_a_kernel_size_that_did_not_fit() -> None:
 
 
 # --- provenance: the tree that ran, not only the HEAD of the copy it ran in ---------------------------------------
+
+
+def test_the_facts_say_whether_the_gafused_that_ran_is_the_checkouts(tmp_path, monkeypatch) -> None:
+    """The scripts import the installed gafused: the tree names the checkout's code only where that is what ran."""
+    import provenance
+
+    assert provenance.facts("cpu")["gafused_from_checkout"] is True  # (the suite runs this checkout's gafused)
+    assert provenance.gafused_from_checkout(tmp_path) is False  # another copy's root
+    monkeypatch.setattr(gafused, "__file__", str(tmp_path / "site-packages" / "gafused" / "__init__.py"))
+    assert provenance.facts("cpu")["gafused_from_checkout"] is False
 
 
 def test_git_tree_names_the_files_on_disk_not_only_head(tmp_path, monkeypatch) -> None:
