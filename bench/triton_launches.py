@@ -106,5 +106,10 @@ def _count_here() -> dict:
 
 
 if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":  # (Count starts it so; by hand, say how)
+        raise SystemExit(
+            "bench/triton_launches.py counts launches under Triton's CPU interpreter: run it as "
+            "TRITON_INTERPRET=1 python bench/triton_launches.py (bench/run.py does)"
+        )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     print(json.dumps(_count_here()))
