@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         try:
             print(format_tables(json.loads(out.read_text())))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError) as error:
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
             parser.error(f"--table: cannot read the results of {out} ({type(error).__name__}: {error})")
         return 0
     problem = provenance.out_file_problem(out)

@@ -242,8 +242,10 @@ def out_problem(out: Path) -> str | None:
     """Why the folder ``out`` cannot take a script's results (a file there or above it, no permission to write), or
     None. Creates nothing: scripts ask before they measure, and make the folder when they save."""
     existing = out
-    while not existing.exists() and existing.parent != existing:
+    while not existing.exists() and not existing.is_symlink() and existing.parent != existing:
         existing = existing.parent
+    if existing.is_symlink() and not existing.exists():
+        return f"{existing} is a broken symbolic link"
     if not existing.is_dir():
         return f"{existing} exists and is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -253,8 +255,9 @@ def out_problem(out: Path) -> str | None:
 
 def out_file_problem(path: Path) -> str | None:
     """As ``out_problem``, for a script that writes the results file ``path`` itself (and a .csv beside it)."""
-    if path.is_dir():
-        return f"{path} is a directory; a JSON file is expected"
+    for written in (path, path.with_suffix(".csv")):
+        if written.is_dir():
+            return f"{written} is a directory; a file is expected"
     return out_problem(path.parent)
 
 

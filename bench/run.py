@@ -573,9 +573,12 @@ def _run_parts(args, mode: str, device: torch.device, timer: timing.Timer, progr
 def _results_file(option: str, path: Path) -> dict:
     """The results JSON ``path`` names, or the refusal of ``option`` when it is not one."""
     try:
-        return json.loads(path.read_text())
+        results = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SystemExit(f"{option}: {path} is not a results JSON written by bench/run.py ({error})") from None
+    if not (isinstance(results, dict) and isinstance(results.get("meta"), dict) and "device_type" in results["meta"]):
+        raise SystemExit(f"{option}: {path} is JSON, but not results written by bench/run.py (no meta.device_type)")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

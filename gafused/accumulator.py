@@ -1816,13 +1816,14 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"one given as a device tensor was negative, nan, inf or outside {str(dtype).removeprefix('torch.')}'s "
                 f"normal range ({tiny:.3g} to {top:.3g})"
             )
-            if self._grad_scaler is not None:
+            # (An error path: reading the scale may cost a second sync.)
+            inverse = None if self._inv_loss_scale is None else self._inv_loss_scale.item()
+            if self._grad_scaler is not None and inverse != 0:  # (0: an infinite scale takes every weight to 0)
                 cause += ", or one divided by grad_scaler's loss scale left that range"
-                # (An error path: reading the scale may cost a second sync. 0 stands for an infinite scale.)
-                inverse = None if self._inv_loss_scale is None else self._inv_loss_scale.item()
-                if inverse:
+                if inverse is not None:  # the weights that fit both the range and the range once divided
                     scale = 1 / inverse
-                    cause += f" (at the loss scale {scale:g}: 0, or {tiny * scale:.3g} to {top * scale:.3g})"
+                    low, high = max(tiny, tiny * scale), min(top, top * scale)
+                    cause += f" (at the loss scale {scale:g}: 0, or {low:.3g} to {high:.3g})"
             self._discard_window()
             raise ValueError(
                 f"weight: a weight of this window was refused at its end: {cause}; the window was discarded and the "

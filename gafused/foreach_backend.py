@@ -12,9 +12,9 @@ Agreement with the reference (``gafused/reference.py``):
   path.
 - sums of squares: 2-norms are computed in float64 and squared there, as the reference adds its squares in
   float64: per segment when asked for per segment; for the total, per run of segments (below; on CPU a float32
-  buffer's runs in pieces of at most half its longest segment). For a float32 buffer the results are within a few
-  float32 ulps of each other; for a float64 one they are float64 sums in different orders, apart by their
-  rounding, which grows with the element count (27 float64 ulps for a million normal values).
+  buffer's runs in pieces of at most half its longest segment, or of 256 elements). For a float32 buffer the results
+  are within a few float32 ulps of each other; for a float64 one they are float64 sums in different orders, apart by
+  their rounding, which grows with the element count (27 float64 ulps for a million normal values).
   They are deterministic: the same inputs give the same bits.
 
 Segment views are made once per buffer and kept (a view per segment costs more host time than the add it
@@ -31,9 +31,10 @@ the weighted products off the CPU, the float64 copy a CPU norm makes, the produc
 gets one of at most ``CHUNK_BYTES`` (``DEVICE_CHUNK_BYTES`` off the CPU) at a time, longer segments in pieces, so
 the backend's peak memory stays within a few MB of the reference's whatever the model's size. On CPU the two made
 at a window's end are smaller still: the products cast into ``out`` no longer than the buffer's longest segment (a
-cast per segment makes that much), the float64 copies of the norm no bigger than it in bytes, so a window's end
-costs no more than Megatron-style accumulation's, whose peak is there too (``python bench/memory.py --quick``);
-neither is cut below ``END_PIECE_ELEMENTS`` elements (64 KB of float64), so small segments are not one call each.
+cast per segment makes that much), the float64 copies of the norm no bigger than it in bytes (either way, or than
+``END_PIECE_BYTES``, 2 KB, where that is more), so a window's end costs no more than Megatron-style accumulation's,
+whose peak is there too (``python bench/memory.py --quick``), but for those few KB on a model of small layers.
+Scaling by 1 (a window not clipped) casts the runs into ``out`` with no product at all.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ CHUNK_BYTES = 4 * 2**20
 DEVICE_CHUNK_BYTES = 64 * 2**20
 # On CPU the temporaries made at a window's end (the products scale_ casts into out, the float64 copies of the total
 # norm) are kept to about the buffer's longest segment, so that end holds no more than Megatron-style accumulation's
-# (module docstring); but pieces are not cut shorter than this, so a buffer of small segments is not cast or measured
-# with a call per segment (a few tens of KB of temporaries at most).
-END_PIECE_ELEMENTS = 2**13
+# (module docstring), or to this many bytes where that is more: a model of small layers is then not cast or measured
+# a call per segment, for a few KB.
+END_PIECE_BYTES = 2048
 # A run of segments (``_runs``) is cut into pieces of at most this many elements, or of the longest segment where
 # that is longer: no tensor handed to an op is larger than both (a 32-bit element index covers each).
 RUN_ELEMENTS = 2**30
@@ -380,11 +381,12 @@ def _total_squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=acc.device)
     pieces = views.runs
     if acc.device.type == "cpu" and acc.dtype != torch.float64:
-        # Pieces of at most half the longest segment (END_PIECE_ELEMENTS at least): a piece's float64 copy is no
+        # Pieces of at most half the longest segment (END_PIECE_BYTES at least): a piece's float64 copy is no
         # bigger than that segment, a temporary as large as a cast of one gradient makes (within CHUNK_BYTES too).
         # Folding at step() measures while the last micro-batch's gradients are still alive, so a bigger copy would
         # raise the window's peak.
-        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), max(views.longest // 2, END_PIECE_ELEMENTS)))
+        floor = END_PIECE_BYTES // 8
+        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), max(views.longest // 2, floor)))
     return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
 
 
@@ -465,11 +467,15 @@ def scale_(
     if out is None:
         torch._foreach_mul_(views.runs, c)
         return
+    if _host_scalars(acc.device) and c.item() == 1:
+        # Times 1 is exact: one cast of each run into out, no product (the finished gradient of an unclipped window).
+        torch._foreach_copy_(_split_runs(out, views.run_bounds), views.runs)
+        return
     limit = _chunk_elements(acc.device, acc.element_size())
     if acc.device.type == "cpu":
-        # No product longer than the longest segment (or END_PIECE_ELEMENTS), which a cast per segment (the
-        # reference's torch.mul(..., out=), which CPU computes into a temporary in acc's dtype) makes anyway.
-        limit = min(limit, max(views.longest, END_PIECE_ELEMENTS))
+        # No product longer than the longest segment (or END_PIECE_BYTES), which a cast per segment (the reference's
+        # torch.mul(..., out=), which CPU computes into a temporary in acc's dtype) makes anyway.
+        limit = min(limit, max(views.longest, END_PIECE_BYTES // acc.element_size()))
     # out has acc's layout: the same runs, cut into the same pieces.
     segments = views.run_pieces(limit)
     targets = [piece for run in _split_runs(out, views.run_bounds) for piece in run.split(limit)]

@@ -1757,7 +1757,8 @@ def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
     before = [p.detach().clone() for p in model.parameters()]
     x, y = _data([3], dtype=torch.float32)[0]
     tiny = torch.finfo(torch.float32).tiny * 4  # a normal number; 2^-20 of it is not
-    fitting = re.escape(f"0, or {torch.finfo(torch.float32).tiny * 2.0**20:.3g} to ")  # the weights that fit
+    top = torch.finfo(torch.float32).max
+    fitting = re.escape(f"0, or {torch.finfo(torch.float32).tiny * 2.0**20:.3g} to {top:.3g})")  # the weights that fit
     with pytest.raises(ValueError, match=rf"divided by grad_scaler's loss scale .*: {fitting}"):
         _micro_step(opt, model, x, y, loop, scaler, weight=tiny)
     assert opt.micro_step == 0 and not opt.stepped and scaler.get_scale() == 2.0**20
@@ -1775,9 +1776,7 @@ def test_weight_above_the_range_once_divided_by_a_loss_scale_below_one_is_refuse
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_scaler=scaler)
     x, y = _data([3], dtype=torch.float32)[0]
     tiny, top = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
-    with pytest.raises(
-        ValueError, match=re.escape(f"at the loss scale 0.5: 0, or {tiny * 0.5:.3g} to {top * 0.5:.3g})")
-    ):
+    with pytest.raises(ValueError, match=re.escape(f"at the loss scale 0.5: 0, or {tiny:.3g} to {top * 0.5:.3g})")):
         _micro_step(opt, model, x, y, "backward", scaler, weight=2e38)
     assert opt.micro_step == 0 and not opt.stepped
 

@@ -669,13 +669,14 @@ _UNTIMED_ON_CPU = [name for name in providers.PROVIDERS if name not in providers
         (["--compile-max-tensors", "-1"], "--compile-max-tensors must be >= 0"),
         (["--table", "MISSING"], "is not a file"),
         (["--table", "NOTJSON"], "is not a results JSON written by bench/run.py"),
+        (["--table", "OTHERJSON"], "is JSON, but not results written by bench/run.py"),
         (["--plot-only", "NOTJSON"], "--plot-only: "),
         (["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
         (["--kernels-only", "--no-kernels"], "--kernels-only with --no-kernels leaves nothing to run"),
     ],
     ids=["dtype", "empty-dtype", "unknown-set", "set-of-another-mode", "no-provider-runs", "empty-provider",
-         "device", "threads", "compile-max-tensors", "missing-table", "table-not-json", "plot-not-json",
-         "out-below-a-file", "nothing-to-run"],
+         "device", "threads", "compile-max-tensors", "missing-table", "table-not-json", "table-other-json",
+         "plot-not-json", "out-below-a-file", "nothing-to-run"],
 )  # fmt: skip
 def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     monkeypatch, tmp_path, capsys, argv, message
@@ -691,7 +692,8 @@ def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     out = tmp_path / "out"
     (tmp_path / "not.json").write_text("not JSON")
     (tmp_path / "file").write_text("")
-    names = {"MISSING": "missing.json", "NOTJSON": "not.json", "FILE": "file"}
+    (tmp_path / "other.json").write_text('{"meta": {"device": "cpu"}, "rows": []}')  # another script's results
+    names = {"MISSING": "missing.json", "NOTJSON": "not.json", "OTHERJSON": "other.json", "FILE": "file"}
     argv = [re.sub("|".join(names), lambda m: str(tmp_path / names[m[0]]), arg) for arg in argv]
     message = message.replace("FILE", str(tmp_path / "file"))
     with pytest.raises(SystemExit) as info:
@@ -712,11 +714,14 @@ def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
         ("host_overhead", ["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
         ("e2e_profile", ["--device", "tpu"], "--device: 'tpu' is neither cuda (cuda:N) nor cpu"),
         ("e2e_profile", ["--out", "FILE"], "--out: FILE exists and is not a directory"),
-        ("distributed", ["--out", "DIR"], "--out: DIR is a directory; a JSON file is expected"),
+        ("distributed", ["--out", "DIR"], "--out: DIR is a directory; a file is expected"),
         ("distributed", ["--out", "FILE/out.json"], "--out: FILE exists and is not a directory"),
-        ("frameworks", ["--out", "DIR"], "--out: DIR is a directory; a JSON file is expected"),
+        ("frameworks", ["--out", "DIR"], "--out: DIR is a directory; a file is expected"),
         ("frameworks", ["--table", "--out", "FILE"], "--table: cannot read the results of FILE (JSONDecodeError"),
         ("frameworks", ["--table", "--out", "DIR/missing.json"], "--table: cannot read the results of DIR/missing"),
+        ("frameworks", ["--table", "--out", "LIST"], "--table: cannot read the results of LIST (TypeError"),
+        ("host_overhead", ["--out", "BROKEN"], "--out: BROKEN is a broken symbolic link"),
+        ("distributed", ["--out", "DIR/sub.json"], "--out: DIR/sub.csv is a directory; a file is expected"),
     ],
 )
 def test_the_other_scripts_refuse_bad_options_before_they_measure(monkeypatch, tmp_path, capsys, script, argv, message):
@@ -729,13 +734,18 @@ def test_the_other_scripts_refuse_bad_options_before_they_measure(monkeypatch, t
         if hasattr(module, name):
             monkeypatch.setattr(module, name, lambda *args, **kwargs: pytest.fail("measured before refusing"))
     (tmp_path / "file").write_text("not JSON")
-    places = {"FILE": str(tmp_path / "file"), "DIR": str(tmp_path)}
-    argv = [re.sub("FILE|DIR", lambda m: places[m[0]], arg) for arg in argv]
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "sub.csv").mkdir()  # where distributed.py would write the CSV beside sub.json
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    made = sorted(path.name for path in tmp_path.iterdir())
+    places = {"FILE": tmp_path / "file", "DIR": tmp_path, "LIST": tmp_path / "list.json", "BROKEN": tmp_path / "broken"}
+    placed = re.compile("|".join(places))
+    argv = [placed.sub(lambda m: str(places[m[0]]), arg) for arg in argv]
     with pytest.raises(SystemExit) as info:
         module.main(argv)
     assert info.value.code == 2
-    assert re.sub("FILE|DIR", lambda m: places[m[0]], message) in capsys.readouterr().err
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]
+    assert placed.sub(lambda m: str(places[m[0]]), message) in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == made
 
 
 def test_a_provider_selection_that_cannot_run_here_exits_non_zero_with_the_reasons(tmp_path) -> None:

@@ -281,18 +281,10 @@ def test_ops_over_runs_are_bitwise_the_reference_and_leave_padding_alone(host, c
     assert padding.any() and candidate.data[padding].isnan().all()
 
 
-def test_a_finishing_fold_scales_and_measures_runs_not_segments(monkeypatch):
+def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     """On CPU: the window scale is one multiply per run of segments, and the sum of squares the float64 norms of the
-    runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment), or of
-    END_PIECE_ELEMENTS (the runs whole here)."""
+    runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment)."""
     buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
-    grads = [torch.ones(shape) for shape in RUN_SHAPES]
-    layout = (buffer.data, grads, buffer.offsets, buffer.numels)
-    foreach_backend.fold_(*layout, torch.tensor(1.0), True)
-    with _ForeachLists() as seen:
-        foreach_backend.fold_finish_(*layout, torch.tensor(1.0), torch.tensor(0.5), False)
-    assert [tensor.numel() for tensor in seen.lists["_foreach_norm"][0]] == [1024 + 7 * 16 + 17, 5 * 16]
-    monkeypatch.setattr(foreach_backend, "END_PIECE_ELEMENTS", 1)
     grads = [torch.ones(shape) for shape in RUN_SHAPES]
     layout = (buffer.data, grads, buffer.offsets, buffer.numels)
     foreach_backend.fold_(*layout, torch.tensor(1.0), True)
@@ -309,24 +301,47 @@ def test_a_finishing_fold_scales_and_measures_runs_not_segments(monkeypatch):
     assert [len(tensors) for tensors in seen.lists["_foreach_mul_"]] == [2]
 
 
-@pytest.mark.parametrize(
-    "floor, pieces", [(1, [1024, 7 * 16 + 17, 5 * 16]), (None, [1024 + 7 * 16 + 17, 5 * 16])], ids=["1", "default"]
-)
-def test_scale_into_out_makes_no_product_longer_than_the_longest_segment(floor, pieces, monkeypatch):
+def test_scale_into_out_makes_no_product_longer_than_the_longest_segment():
     """On CPU the products cast into ``out`` are the runs in pieces of at most the longest segment (what a cast per
-    segment makes), however long the runs, or of END_PIECE_ELEMENTS (so small segments are not cast one call each:
-    the runs whole here), and they are the reference's bits."""
-    if floor is not None:
-        monkeypatch.setattr(foreach_backend, "END_PIECE_ELEMENTS", floor)
+    segment makes), however long the runs, and they are the reference's bits."""
     buffer = FlatGradBuffer([torch.empty(shape) for shape in RUN_SHAPES])
     buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(3)))
     out, expected = (torch.zeros(buffer.numel, dtype=torch.bfloat16) for _ in range(2))
     with _ForeachLists() as seen:
         foreach_backend.scale_(buffer.data, buffer.offsets, buffer.numels, torch.tensor(0.37), out)
     products = [tensor for tensors in seen.lists["_foreach_mul"] for tensor in tensors]
-    assert [tensor.numel() for tensor in products] == pieces
+    assert [tensor.numel() for tensor in products] == [1024, 7 * 16 + 17, 5 * 16]
     ops.scale_(buffer, torch.tensor(0.37), out=expected, backend="reference")
     assert torch.equal(out, expected)
+
+
+def test_a_window_end_over_small_segments_takes_pieces_of_end_piece_bytes_and_casts_a_scale_of_one_whole():
+    """Segments smaller than END_PIECE_BYTES are not cast or measured one call each: pieces of that many bytes (the
+    products in the buffer's dtype, the norms' float64 copies); a scale of 1 (an unclipped window) is one cast of
+    each run, with no product. Both are the reference's bits."""
+    shapes = [(4, 4)] * 200  # 16 elements each, no padding between them: one run of 3200
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in shapes])
+    buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(5)))
+    layout = (buffer.data, buffer.offsets, buffer.numels)
+    floor = foreach_backend.END_PIECE_BYTES
+    for coef, cut in ((0.37, floor // 4), (1.0, None)):
+        out, expected = (torch.zeros(buffer.numel, dtype=torch.bfloat16) for _ in range(2))
+        with _ForeachLists() as seen:
+            foreach_backend.scale_(*layout, torch.tensor(coef), out)
+        products = [tensor.numel() for tensors in seen.lists.get("_foreach_mul", []) for tensor in tensors]
+        if cut is None:
+            assert products == [] and [len(tensors) for tensors in seen.lists["_foreach_copy_"]] == [1]
+        else:
+            assert products == [cut] * (3200 // cut) + ([3200 % cut] if 3200 % cut else [])
+        ops.scale_(buffer, torch.tensor(coef), out=expected, backend="reference")
+        assert torch.equal(out, expected)
+    with _ForeachLists() as seen:
+        total = foreach_backend.sum_of_squares(*layout, per_segment=False)
+    cut = floor // 8
+    assert [tensor.numel() for tensor in seen.lists["_foreach_norm"][0]] == [cut] * (3200 // cut) + (
+        [3200 % cut] if 3200 % cut else []
+    )
+    torch.testing.assert_close(total.double(), buffer.data.double().square().sum(), rtol=1e-7, atol=0)
 
 
 def test_runs_are_cut_at_the_longer_of_run_elements_and_the_longest_segment(monkeypatch):

@@ -279,12 +279,14 @@ def test_fold_at_step_bf16_holds_what_megatron_holds(peaks):
 
 
 @pytest.mark.parametrize("recipe", ["gafused-backward", "gafused-step"])
-def test_bf16_window_end_holds_what_megatron_holds_on_a_model_of_small_layers(recipe):
-    """``bench/memory.py --quick``'s model (8 x Linear(512, 512), 1 MiB buckets), where no temporary of the inner
-    step hides the finish's: the cast of the finished gradient into bf16 and the norm's float64 copies make no
-    temporary bigger than what Megatron-style ``main_grad`` accumulation's window end holds."""
-    megatron = memory.measure("megatron", torch.bfloat16, layers=8, width=512, bucket_bytes=2**20)
-    ours = memory.measure(recipe, torch.bfloat16, layers=8, width=512, bucket_bytes=2**20)
+@pytest.mark.parametrize("layers, width", [(8, 512), (32, 64)], ids=["8x512", "32x64"])
+def test_bf16_window_end_holds_what_megatron_holds_on_a_model_of_small_layers(recipe, layers, width):
+    """``bench/memory.py --quick``'s model (8 x Linear(512, 512), 1 MiB buckets), and one of 4096-element layers,
+    where no temporary of the inner step hides the finish's: the cast of the finished gradient into bf16 and the
+    norm's float64 copies make no temporary bigger than what Megatron-style ``main_grad`` accumulation's window end
+    holds (END_PIECE_BYTES aside, which the second model's layers are above)."""
+    megatron = memory.measure("megatron", torch.bfloat16, layers=layers, width=width, bucket_bytes=2**20)
+    ours = memory.measure(recipe, torch.bfloat16, layers=layers, width=width, bucket_bytes=2**20)
     assert ours["backend"] == "foreach"
     assert ours["window_end_peak_bytes"] <= megatron["window_end_peak_bytes"] + SCALARS
     assert ours["peak_bytes"] <= megatron["peak_bytes"] + SCALARS
