@@ -703,9 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--recipes: unknown {sorted(unknown)}")
     args.out = args.out or default_out(args)
-    problem = provenance.out_file_problem(args.out)
-    if problem is not None:
-        parser.error(f"--out: {problem}")
+    provenance.check_out_option(parser, args.out, file=True)
     results = run(args.quick, names, memory=not args.no_memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -158,13 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error(f"--warmup must be >= 1 (the first window builds buffers and caches), got {args.warmup}")
-    try:
-        device = provenance.selected_device(args.device)
-    except ValueError as error:
-        parser.error(f"--device: {error}")
-    problem = provenance.out_problem(args.out)
-    if problem is not None:
-        parser.error(f"--out: {problem}")
+    device = provenance.device_option(parser, args.device)
+    provenance.check_out_option(parser, args.out)
     run = e2e.setup(device, "quick" if args.quick else "full")
     recipes = {label: make for label, accumulation, make in run.recipes if accumulation > 1}
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

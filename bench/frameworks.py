@@ -642,9 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
             parser.error(f"--table: cannot read the results of {out} ({type(error).__name__}: {error})")
         return 0
-    problem = provenance.out_file_problem(out)
-    if problem is not None:
-        parser.error(f"--out: {problem}")
+    provenance.check_out_option(parser, out, file=True)
     results = run(args.quick)
     args.out = out
     args.out.parent.mkdir(parents=True, exist_ok=True)

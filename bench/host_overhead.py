@@ -447,13 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                                  ("--numel", args.numel, 1), ("--threads", args.threads, 1)):  # fmt: skip
         if value < least:
             parser.error(f"{option} must be at least {least}, got {value}")
-    try:
-        device = provenance.selected_device(args.device)
-    except ValueError as error:
-        parser.error(f"--device: {error}")
-    problem = None if args.out is None else provenance.out_problem(args.out)
-    if problem is not None:
-        parser.error(f"--out: {problem}")
+    device = provenance.device_option(parser, args.device)
+    if args.out is not None:
+        provenance.check_out_option(parser, args.out)
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     runs: list[list[dict[str, object]]] = []

@@ -212,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     if args.reps < 3 or any(s < 1 for s in sizes):
         parser.error("--reps must be >= 3 and every --sizes-mb entry >= 1")
-    problem = provenance.out_problem(args.out)
-    if problem is not None:
-        parser.error(f"--out: {problem}")
+    provenance.check_out_option(parser, args.out)
     device = torch.device("cuda")
     rows: list[dict] = []
     where: dict = {"during": None}

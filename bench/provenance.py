@@ -21,6 +21,7 @@ tree describes.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import importlib.metadata
@@ -259,6 +260,22 @@ def out_file_problem(path: Path) -> str | None:
         if written.is_dir():
             return f"{written} is a directory; a file is expected"
     return out_problem(path.parent)
+
+
+def device_option(parser: argparse.ArgumentParser, text: str | None) -> torch.device:
+    """``selected_device(text)``, or the script's refusal of its ``--device`` (exit status 2)."""
+    try:
+        return selected_device(text)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
+
+
+def check_out_option(parser: argparse.ArgumentParser, out: Path, file: bool = False) -> None:
+    """Refuse the script's ``--out`` (exit status 2) where ``out_problem`` (``out_file_problem`` for a ``file``)
+    finds one."""
+    problem = out_file_problem(out) if file else out_problem(out)
+    if problem is not None:
+        parser.error(f"--out: {problem}")
 
 
 def slug(text: str) -> str:

@@ -268,7 +268,6 @@ class GradAccumulator(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.normalization = normalization
         check_options(accum_dtype=accum_dtype, backend=backend, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
-        bucket_bytes = int(bucket_bytes)  # (a NumPy integer passes the check)
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         if model is None:

@@ -99,8 +99,7 @@ class _Views:
         """``runs`` cut into pieces of at most ``limit`` elements (made once per limit)."""
         pieces = self._run_pieces.get(limit)
         if pieces is None:
-            pieces = self._run_pieces[limit] = [run[start : start + limit] for run in self.runs
-                                                for start in range(0, run.numel(), limit)]  # fmt: skip
+            pieces = self._run_pieces[limit] = _cut_runs(self.runs, limit)
         return pieces
 
 
@@ -128,6 +127,11 @@ def _runs(offsets: list[int], numels: list[int], cap: int) -> list[tuple[int, in
 def _split_runs(data: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
     """1-D views of flat ``data`` over ``runs`` (``_runs``)."""
     return [data[start : start + numel] for start, numel in runs]
+
+
+def _cut_runs(runs: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
+    """The 1-D ``runs`` cut into consecutive pieces of at most ``limit`` elements."""
+    return [piece for run in runs for piece in run.split(limit)]
 
 
 def _split(data: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
@@ -179,6 +183,13 @@ def _chunk_elements(device: torch.device, bytes_per_element: int) -> int:
     """How many elements a chunk may hold when each needs ``bytes_per_element`` bytes of temporaries."""
     budget = CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
     return max(1, budget // bytes_per_element)
+
+
+def _end_piece_elements(views: _Views, acc: torch.Tensor, bytes_per_element: int) -> int:
+    """How many elements a piece of a window's end may hold on CPU when each needs ``bytes_per_element`` bytes of
+    temporaries: no more bytes than the longest segment holds in ``acc`` (or END_PIECE_BYTES), within a chunk."""
+    most = max(views.longest * acc.element_size(), END_PIECE_BYTES) // bytes_per_element
+    return min(_chunk_elements(acc.device, bytes_per_element), max(1, most))
 
 
 def _chunks(tensors: list[torch.Tensor], limit: int) -> list[slice]:
@@ -385,8 +396,7 @@ def _total_squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
         # bigger than that segment, a temporary as large as a cast of one gradient makes (within CHUNK_BYTES too).
         # Folding at step() measures while the last micro-batch's gradients are still alive, so a bigger copy would
         # raise the window's peak.
-        floor = END_PIECE_BYTES // 8
-        pieces = views.run_pieces(min(_chunk_elements(acc.device, 8), max(views.longest // 2, floor)))
+        pieces = views.run_pieces(_end_piece_elements(views, acc, 8))
     return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
 
 
@@ -475,10 +485,10 @@ def scale_(
     if acc.device.type == "cpu":
         # No product longer than the longest segment (or END_PIECE_BYTES), which a cast per segment (the reference's
         # torch.mul(..., out=), which CPU computes into a temporary in acc's dtype) makes anyway.
-        limit = min(limit, max(views.longest, END_PIECE_BYTES // acc.element_size()))
+        limit = _end_piece_elements(views, acc, acc.element_size())
     # out has acc's layout: the same runs, cut into the same pieces.
     segments = views.run_pieces(limit)
-    targets = [piece for run in _split_runs(out, views.run_bounds) for piece in run.split(limit)]
+    targets = _cut_runs(_split_runs(out, views.run_bounds), limit)
     for part in _chunks(segments, limit):
         # The product in acc's dtype, then one cast into out's dtype: what torch.mul(..., out=target) rounds to.
         torch._foreach_copy_(targets[part], torch._foreach_mul(segments[part], c))
