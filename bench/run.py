@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -70,7 +71,7 @@ def _load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sets and short budgets (CI smoke run)")
@@ -109,6 +110,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="print the full tables before the summary")
     parser.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the PNGs of a results file and exit")
     parser.add_argument("--table", type=Path, metavar="JSON", help="print the README's tables of a results file")
+    return parser
+
+
+def _refuse(message: str) -> NoReturn:
+    """Refuse an option as argparse does (usage and message on stderr, exit status 2), whichever check finds it."""
+    _parser().error(message)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.accumulation_steps < 3:
         steps = args.accumulation_steps
@@ -214,7 +225,7 @@ def _selected_device(args) -> torch.device:
     try:
         return provenance.selected_device(args.device)
     except ValueError as error:
-        raise SystemExit(f"--device: {error}") from None
+        _refuse(f"--device: {error}")
 
 
 def _selected_dtypes(args, mode: str) -> list[str]:
@@ -222,7 +233,7 @@ def _selected_dtypes(args, mode: str) -> list[str]:
     dtypes = list(dict.fromkeys((_DEFAULT_DTYPES[mode] if args.dtypes is None else args.dtypes).split(",")))
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
-        raise SystemExit(f"--dtypes: unknown {unknown} in {args.dtypes!r}; choose from {', '.join(DTYPES)}")
+        _refuse(f"--dtypes: unknown {unknown} in {args.dtypes!r}; choose from {', '.join(DTYPES)}")
     return dtypes
 
 
@@ -237,10 +248,10 @@ def _selected_sets(args, device: torch.device, mode: str) -> list[param_sets.Par
     known = {s.name for kind in ("cuda", "cpu") for m in param_sets.MODES for s in param_sets.default_sets(kind, m)}
     unknown = [name for name in wanted if name not in known]
     if unknown:
-        raise SystemExit(f"--sets: unknown {unknown}; a {mode} run on {device.type} has {', '.join(here)}")
+        _refuse(f"--sets: unknown {unknown}; a {mode} run on {device.type} has {', '.join(here)}")
     if not set(wanted) & set(here):
-        raise SystemExit(f"--sets: none of {wanted} is a set of a {mode} run on {device.type}; choose from "
-                         f"{', '.join(here)}")  # fmt: skip
+        _refuse(f"--sets: none of {wanted} is a set of a {mode} run on {device.type}; choose from "
+                f"{', '.join(here)}")  # fmt: skip
     for name in wanted:
         if name not in here:
             print(f"--sets: {name} skipped: not a set of a {mode} run on {device.type}", file=sys.stderr)
@@ -255,12 +266,12 @@ def _selected_providers(args, device: torch.device) -> list[str]:
         wanted = list(dict.fromkeys(args.providers.split(",")))
         unknown = [name for name in wanted if name not in providers.PROVIDERS]
         if unknown:
-            raise SystemExit(f"--providers: unknown {unknown}; choose from {', '.join(providers.PROVIDERS)}")
+            _refuse(f"--providers: unknown {unknown}; choose from {', '.join(providers.PROVIDERS)}")
         skipped = {name: providers.unavailable_reason(name, device) for name in wanted if name not in names}
         if not set(wanted) & set(names):
             reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
-            raise SystemExit(f"--providers: none of {wanted} can be timed on {device.type} ({reasons}); choose "
-                             f"from {', '.join(names)}")  # fmt: skip
+            _refuse(f"--providers: none of {wanted} can be timed on {device.type} ({reasons}); choose "
+                    f"from {', '.join(names)}")  # fmt: skip
         for name, reason in skipped.items():
             print(f"--providers: {name} skipped on {device.type}: {reason}", file=sys.stderr)
         names = [n for n in names if n in wanted]
@@ -268,7 +279,7 @@ def _selected_providers(args, device: torch.device) -> list[str]:
 
 
 def _selection(args, device: torch.device, mode: str) -> tuple[list[param_sets.ParamSet], list[str], list[str]]:
-    """The micro-benchmark's (sets, providers, gradient dtypes), or SystemExit naming the option at fault."""
+    """The micro-benchmark's (sets, providers, gradient dtypes), or the refusal naming the option at fault."""
     dtypes = _selected_dtypes(args, mode)
     return _selected_sets(args, device, mode), _selected_providers(args, device), dtypes
 
@@ -575,9 +586,9 @@ def _results_file(option: str, path: Path) -> dict:
     try:
         results = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SystemExit(f"{option}: {path} is not a results JSON written by bench/run.py ({error})") from None
+        _refuse(f"{option}: {path} is not a results JSON written by bench/run.py ({error})")
     if not (isinstance(results, dict) and isinstance(results.get("meta"), dict) and "device_type" in results["meta"]):
-        raise SystemExit(f"{option}: {path} is JSON, but not results written by bench/run.py (no meta.device_type)")
+        _refuse(f"{option}: {path} is JSON, but not results written by bench/run.py (no meta.device_type)")
     return results
 
 
@@ -585,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     for option, path in (("--table", args.table), ("--plot-only", args.plot_only)):
         if path is not None and not path.is_file():
-            raise SystemExit(f"{option}: {path} is not a file (a results JSON written by bench/run.py)")
+            _refuse(f"{option}: {path} is not a file (a results JSON written by bench/run.py)")
     if args.table:
         print(summary.readme_tables(_results_file("--table", args.table)))
         return 0
@@ -609,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else default_out()
     problem = provenance.out_problem(out)
     if problem is not None:
-        raise SystemExit(f"--out: {problem}")
+        _refuse(f"--out: {problem}")
     out.mkdir(parents=True, exist_ok=True)
     progress = progress_bars.factory(not args.no_progress)
     print(
