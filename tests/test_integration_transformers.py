@@ -1238,3 +1238,119 @@ def test_accumulator_options_are_the_ones_checked_at_construction(tmp_path: Path
     options["normalization"] = "sum"
     trainer.train()
     assert trainer.accumulator.backend == "reference"
+
+
+class _WrappedCausalLM(torch.nn.Module):
+    """A model of the user's around a causal LM, handing the labels and Trainer's loss kwargs on: Trainer counts its
+    items before the causal shift (it declares no loss_type), which its loss then divides by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = cases.make_model()
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+
+
+class _CountingAfterTheShift(GafusedTrainer):
+    def loss_items(self, inputs: dict) -> torch.Tensor:
+        return inputs["labels"][..., 1:].ne(-100).sum()
+
+
+def _first_window() -> torch.utils.data.Dataset:
+    """cases.Sequences' first window: 4 sequences of 2 to 31 tokens, one window whatever order Trainer draws them in."""
+    return torch.utils.data.Subset(cases.Sequences(), range(cases.GA))
+
+
+def _first_window_truth(model: torch.nn.Module, lm: torch.nn.Module) -> tuple[dict, dict]:
+    """The float64 token-mean gradient of the causal-LM loss over cases.Sequences' first window (``lm`` is the
+    causal LM inside ``model``), by ``model``'s parameter names."""
+    start = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    window = [cases.collate([item]) for item in _first_window()]
+    truth = copy.deepcopy(model).double()
+    truth_lm = truth.lm if lm is not model else truth
+    cases.token_mean_loss(truth_lm, cases.pad_cat(window)).backward()
+    return start, {name: p.grad for name, p in truth.named_parameters()}
+
+
+def test_a_loss_items_of_the_users_is_the_count_of_losses_normalized_over_the_window(tmp_path: Path) -> None:
+    """A wrapper of the user's that hands **kwargs on gets num_items_in_batch from Trainer, counted before the shift
+    (one item per sequence too many: the gradient 4-9% too small on these sequences, as plain Trainer's). The
+    README's remedy is to override loss_items: it is the window's count too, not only a mean's weight, so one
+    window (SGD, lr 1, no clipping) steps by the float64 token-mean gradient."""
+    model = _WrappedCausalLM()
+    start, grads = _first_window_truth(model, model.lm)
+    plain = copy.deepcopy(model)
+    _sgd_trainer(transformers.Trainer, plain, tmp_path, _first_window(), False, data_collator=cases.collate).train()
+    assert _step_error(plain, start, grads) > 1e-2  # plain Trainer's count, before the shift
+    trainer = _sgd_trainer(_CountingAfterTheShift, model, tmp_path, _first_window(), False, data_collator=cases.collate)
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.accumulator.normalization == "sum"
+    error = _step_error(model, start, grads)
+    assert error < 1e-5, error
+
+
+def _mean_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN202
+    """A compute_loss of the user's: the micro-batch's token mean, ignoring num_items_in_batch."""
+    outputs = model(**{key: value for key, value in inputs.items() if key != "labels"})
+    loss = cases.causal_lm_loss(outputs.logits, inputs["labels"])
+    return (loss, outputs) if return_outputs else loss
+
+
+def _passing_the_count_on(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN202
+    return GafusedTrainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+def _passing_kwargs_on(self, model, inputs, return_outputs=False, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    return GafusedTrainer.compute_loss(self, model, inputs, return_outputs, **kwargs)
+
+
+def test_a_compute_loss_of_the_users_that_ignores_the_count_must_say_how_its_loss_is_scaled(tmp_path: Path) -> None:
+    """On a model that takes loss kwargs, Trainer takes any compute_loss's loss as normalized over the window unless
+    loss_is_scaled_for_ga says otherwise, so a per-micro-batch mean is summed (the gradient 4x too large here, as
+    plain Trainer's). GafusedTrainer refuses such a compute_loss until the class declares it; declared False, the
+    means are weighed by their tokens and one window steps by the float64 token-mean gradient."""
+
+    def trainer(compute_loss: Any, model: torch.nn.Module, **declared: Any) -> transformers.Trainer:
+        cls = type("UserTrainer", (GafusedTrainer,), {"compute_loss": compute_loss, **declared})
+        return _sgd_trainer(cls, model, tmp_path, _first_window(), False, data_collator=cases.collate)
+
+    with pytest.raises(ValueError, match=r"loss_is_scaled_for_ga: UserTrainer.compute_loss computes a loss of its own"):
+        trainer(_mean_loss, cases.make_model())
+    for passing_on in (_passing_the_count_on, _passing_kwargs_on):  # the count reaches the model's loss
+        assert trainer(passing_on, cases.make_model())._sums
+    assert trainer(_mean_loss, cases.make_model(), loss_is_scaled_for_ga=True)._sums  # declared: taken at its word
+    model = cases.make_model()
+    start, grads = _first_window_truth(model, model)
+    declared = trainer(_mean_loss, model, loss_is_scaled_for_ga=False)
+    declared.train()
+    assert declared.state.global_step == 1 and declared.accumulator.normalization == "mean"
+    error = _step_error(model, start, grads)
+    assert error < 1e-5, error
+
+
+def test_a_compute_loss_is_read_for_the_count_it_hands_on() -> None:
+    from gafused.integrations.transformers import _ignores_the_count
+
+    def positional(self, model, inputs, *args):  # noqa: ANN001, ANN002, ANN202
+        return GafusedTrainer.compute_loss(self, model, inputs, *args)
+
+    assert _ignores_the_count(_mean_loss)  # model(**inputs) carries no count
+    assert not _ignores_the_count(_passing_the_count_on)
+    assert not _ignores_the_count(_passing_kwargs_on)
+    assert not _ignores_the_count(positional)
+    assert not _ignores_the_count(lambda self, model, inputs: model(**inputs).loss)  # no source of its own to read
+
+
+def test_a_loss_items_of_the_users_is_summed_over_the_ranks_as_trainers_count_is(monkeypatch, tmp_path: Path) -> None:
+    """Under DDP with average_tokens_across_devices, Trainer's num_items_in_batch is the window's count over every
+    rank; a loss_items of the user's replaces the count, so it is gathered and summed too (here two ranks faked:
+    the gather hands back this rank's count and another rank's)."""
+    trainer = _sgd_trainer(_CountingAfterTheShift, _WrappedCausalLM(), tmp_path, _first_window(), False,
+                           data_collator=cases.collate)  # fmt: skip
+    window = [cases.collate([item]) for item in _first_window()]
+    mine = sum(int(batch["labels"][..., 1:].ne(-100).sum()) for batch in window)
+    assert int(trainer._get_num_items_in_batch(window, torch.device("cpu"))) == mine
+    monkeypatch.setattr(type(trainer.args), "world_size", property(lambda args: 2))
+    monkeypatch.setattr(trainer.accelerator, "gather", lambda count: torch.stack([count, count + 7]))
+    assert int(trainer._get_num_items_in_batch(window, torch.device("cpu"))) == 2 * mine + 7

@@ -27,7 +27,9 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   (``loss_items``) as its weight, and Trainer's division by the window's micro-batch count
   (``current_gradient_accumulation_steps``, fewer in a partial window) is undone for the backward (the returned,
   logged loss keeps it). Which of the two is decided when training starts, from ``model_accepts_loss_kwargs``,
-  ``compute_loss_func`` and ``loss_is_scaled_for_ga`` as they are then.
+  ``compute_loss_func`` and ``loss_is_scaled_for_ga`` as they are then. A ``compute_loss`` of the user's that never
+  uses ``num_items_in_batch`` (``_ignores_the_count``) is refused where Trainer would sum its loss, until the class
+  declares ``loss_is_scaled_for_ga``. An overridden ``loss_items`` is also Trainer's count (``num_items_in_batch``).
 - Heads whose loss ignores ``num_items_in_batch``: Trainer takes a model whose ``forward`` accepts ``**kwargs`` to
   normalize its loss over the window, but transformers' losses for sequence, token, image, audio and video
   classification, question answering and detection (``LOSS_MAPPING`` entries without that argument) stay means
@@ -233,6 +235,19 @@ class GafusedTrainer(transformers.Trainer):
                 "(num_items_in_batch), which no accumulation can turn into the big batch's; keep TrainingArguments' "
                 "default average_tokens_across_devices=True"
             )
+        if (
+            sums
+            and self.loss_is_scaled_for_ga is None
+            and _defined_by(type(self), "compute_loss") not in (GafusedTrainer, transformers.Trainer)
+            and _ignores_the_count(type(self).compute_loss)
+        ):
+            raise ValueError(
+                f"loss_is_scaled_for_ga: {type(self).__name__}.compute_loss computes a loss of its own without "
+                "num_items_in_batch, and loss_is_scaled_for_ga is unset, so Trainer would take that loss as "
+                "normalized over the window (the model takes loss kwargs) and sum it; declare loss_is_scaled_for_ga "
+                "on the class: False for a mean over its own micro-batch (GafusedTrainer weighs it by loss_items), "
+                "True for a loss you normalized over the whole window yourself"
+            )
         self._smoothed, self._sums = smoothed, sums
         if smoothed:
             self._loss_shifts_labels = _label_smoother_shifts(self.accelerator, model)
@@ -309,7 +324,16 @@ class GafusedTrainer(transformers.Trainer):
         # (after its own shift for causal LMs), never shift_labels: count those, as loss_items does.
         if self._smoothed:
             batch_samples = [_without_shift_labels(batch) for batch in batch_samples]
-        return super()._get_num_items_in_batch(batch_samples, device)
+        counted = super()._get_num_items_in_batch(batch_samples, device)
+        if counted is None or _defined_by(type(self), "loss_items") is GafusedTrainer:
+            return counted
+        # A loss_items of the user's says what a micro-batch's items are (a model of their own around a causal LM,
+        # which Trainer counts before the shift): the window's count is its sum, over the ranks as Trainer's is.
+        items = torch.stack([torch.as_tensor(self.loss_items(batch)).reshape(()) for batch in batch_samples]).sum()
+        items = items.to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            items = self.accelerator.gather(items).sum()
+        return items
 
     def loss_items(self, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The number of items a micro-batch's mean loss averages over: its weight when losses are per-micro-batch
@@ -320,7 +344,9 @@ class GafusedTrainer(transformers.Trainer):
         LabelSmoother scores ``labels``, after the shift when the model's class is a causal LM of transformers'
         auto mapping. A CTC head with ``ctc_loss_reduction="mean"`` averages over the sequences (``labels``' rows);
         a question-answering batch (``start_positions``, ``end_positions``, no labels) over the sequences whose
-        positions lie inside them. Override it for losses that average over something else.
+        positions lie inside them. Override it for losses that average over something else; overridden, it also
+        counts the items of losses normalized over the window: Trainer's ``num_items_in_batch`` is then its sum over
+        the window's micro-batches (and the ranks, with ``average_tokens_across_devices``).
         """
         if self._smoothed and "labels" in inputs:
             labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
@@ -562,6 +588,24 @@ def _names_the_count(nodes: list[ast.AST]) -> bool:
         or (isinstance(node, ast.keyword) and node.arg == "num_items_in_batch")
         for node in nodes
     )
+
+
+def _defined_by(cls: type, name: str) -> type | None:
+    """The class of ``cls``'s method resolution order that defines ``name``."""
+    return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+
+
+def _ignores_the_count(compute_loss: Any) -> bool:
+    """Whether a ``compute_loss`` of the user's never uses ``num_items_in_batch``: its body does not name it and does
+    not hand on its own ``*args`` or ``**kwargs``, which may carry it (``model(**inputs)`` does not). False when its
+    source cannot be read."""
+    function = _parsed(compute_loss)
+    if function is None:
+        return False
+    nodes = _body_nodes(function)
+    rest = {argument.arg for argument in (function.args.vararg, function.args.kwarg) if argument is not None}
+    hands_rest_on = any(isinstance(node, ast.Name) and node.id in rest for node in nodes)
+    return not (_names_the_count(nodes) or hands_rest_on)
 
 
 def _calls_loss_function(nodes: list[ast.AST]) -> bool:
