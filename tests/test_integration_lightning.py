@@ -433,6 +433,22 @@ def test_bad_weight_names_the_weight_function() -> None:
     assert "GradAccumulation(weight=" in "".join(getattr(raised.value, "__notes__", []))
 
 
+def test_a_weight_function_that_returns_none_is_refused_not_taken_as_weight_1() -> None:
+    _, TinyLM, _ = cases._lightning_classes()
+
+    def forgot_to_return(batch: Any) -> None:
+        (batch["labels"][..., 1:] != -100).sum()
+
+    module = TinyLM(0)
+    start = [p.detach().clone() for p in module.parameters()]
+    callback = GradAccumulation(weight=forgot_to_return)
+    with pytest.raises(
+        TypeError, match=r"GradAccumulation\(weight=<function .*forgot_to_return.*returned None for batch 0"
+    ):
+        _quiet_trainer(callbacks=[callback], limit_train_batches=2).fit(module)
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), start, strict=True))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

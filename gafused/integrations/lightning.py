@@ -2,10 +2,12 @@
 
     from gafused.integrations.lightning import GradAccumulation
 
+    def loss_tokens(batch):                                          # at module level: "ddp_spawn" pickles it
+        return (batch["labels"][..., 1:] != -100).sum()
+
     trainer = L.Trainer(
         accumulate_grad_batches=4,                                   # Lightning's own recipe, unchanged
-        callbacks=[GradAccumulation(weight=lambda batch: (batch["labels"][..., 1:] != -100).sum(),
-                                    max_grad_norm=1.0)],             # the added line
+        callbacks=[GradAccumulation(weight=loss_tokens, max_grad_norm=1.0)],  # the added line
     )
 
 How Lightning 2.x drives automatic optimization (``lightning/pytorch/loops/optimization/automatic.py``,
@@ -157,9 +159,10 @@ class GradAccumulation(Callback):
 
     Args:
         weight: a callable taking the batch (as ``training_step`` receives it) and returning its weight: a
-            non-negative number or 0-d tensor, e.g. the loss tokens
-            ``lambda batch: (batch["labels"][..., 1:] != -100).sum()``. None weighs every batch 1 (the mean of the
-            micro-batch losses, exact on partial windows).
+            non-negative number or 0-d tensor (returning None is refused), e.g. the loss tokens
+            ``(batch["labels"][..., 1:] != -100).sum()``. Under ``"ddp_spawn"`` Lightning pickles the callback: a
+            function defined at module level, not a lambda or a nested function. None weighs every batch 1 (the
+            mean of the micro-batch losses, exact on partial windows).
         max_grad_norm: clip each window's finished gradient to this global L2 norm (what
             ``torch.nn.utils.clip_grad_norm_`` does on the big batch); None disables clipping.
         accum_dtype: as in GradAccumulator: ``torch.float32`` (default) or ``torch.float64``.
@@ -305,7 +308,16 @@ class GradAccumulation(Callback):
                 "micro-batch(es) of the previous one were never stepped (did on_train_batch_start return -1 in the "
                 "middle of a window?). Lightning would drop their gradients; gafused does not drop them silently"
             )
-        self._batch_weight = None if self.weight is None else self.weight(batch)
+        if self.weight is None:
+            self._batch_weight = None
+            return
+        weight = self.weight(batch)
+        if weight is None:  # weight=None weighs a batch 1: a function that forgot to return must not do that
+            raise TypeError(
+                f"GradAccumulation(weight={self.weight!r}) returned None for batch {batch_idx}; it must return the "
+                "batch's weight, a non-negative number or 0-d tensor"
+            )
+        self._batch_weight = weight
 
     def _backward(
         self, loss: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
