@@ -280,7 +280,7 @@ def test_prepare_refuses_bad_input(fresh_accelerate) -> None:
     prepared = gafused_accelerate.prepare(accelerator, model, optimizer)
     assert accelerator._optimizers == [prepared]
     assert accelerator._schedulers[0].optimizers == [prepared]
-    with pytest.raises(RuntimeError, match="already called"):
+    with pytest.raises(RuntimeError, match=r"already called on it; .* call accelerator.free_memory\(\) first"):
         gafused_accelerate.prepare(accelerator, model, optimizer)
 
 
@@ -1022,7 +1022,7 @@ def test_prepare_passes_its_options_to_the_accumulator(fresh_accelerate) -> None
     as GradAccumulator refuses it without a DDP model). With normalization="sum" the window's gradient is the sum of
     the micro-batches' (each loss already normalized over the window): one SGD step on the summed loss."""
     accelerator, model, optimizer, _, _ = _prepared()
-    with pytest.raises(ValueError, match="reduce_dtype"):
+    with pytest.raises(ValueError, match="reduce_dtype is the dtype DDP's buckets .* this accelerator runs in one"):
         gafused_accelerate.prepare(accelerator, model, optimizer, reduce_dtype=torch.bfloat16)
     assert accelerator._optimizers == [optimizer] and "backward" not in vars(accelerator)
     _reset_accelerate()
@@ -1130,3 +1130,10 @@ def test_a_step_without_backward_before_any_block_is_plain_accelerates(fresh_acc
         return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
 
     _same_tensors(train(False), train(True))
+
+
+def test_the_module_docstrings_example_imports_the_adapter_before_calling_it() -> None:
+    """``import gafused`` alone does not import its integrations (each needs its framework): the example copied from
+    the docstring raised AttributeError."""
+    before_the_call = gafused_accelerate.__doc__.split("gafused.integrations.accelerate.prepare(")[0]
+    assert "\n    import gafused.integrations.accelerate\n" in before_the_call

@@ -2,6 +2,8 @@
 
 Accelerate's recipe keeps its shape; after ``accelerator.prepare(...)`` one call hands the optimizer to gafused:
 
+    import gafused.integrations.accelerate
+
     accelerator = Accelerator(gradient_accumulation_steps=4)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     optimizer = gafused.integrations.accelerate.prepare(accelerator, model, optimizer, max_grad_norm=1.0)
@@ -326,7 +328,10 @@ def prepare(
             "(accelerate 1.x)"
         )
     if getattr(accelerator, "_gafused_optimizer", None) is not None:
-        raise RuntimeError("accelerator: gafused.integrations.accelerate.prepare() was already called on it")
+        raise RuntimeError(
+            "accelerator: gafused.integrations.accelerate.prepare() was already called on it; to prepare another run "
+            "on this accelerator, call accelerator.free_memory() first (it forgets the prepared objects, gafused's too)"
+        )
     if isinstance(optimizer, AcceleratedGradAccumulator):
         raise RuntimeError("optimizer: already prepared by gafused.integrations.accelerate.prepare()")
     if not isinstance(optimizer, AcceleratedOptimizer) or not any(optimizer is opt for opt in accelerator._optimizers):
@@ -358,6 +363,11 @@ def prepare(
             "(one process, or DDP)"
         )
     wrapped = inner if accelerator.num_processes > 1 else None
+    if reduce_dtype is not None and wrapped is None:
+        raise ValueError(
+            "reduce_dtype is the dtype DDP's buckets are all-reduced in; this accelerator runs in one process "
+            "(launch with accelerate launch or torchrun for DDP)"
+        )
     if wrapped is not None and not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"model: with {accelerator.num_processes} processes accelerator.prepare() returns a "
