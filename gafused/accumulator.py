@@ -731,9 +731,14 @@ class GradAccumulator(torch.optim.Optimizer):
                 "end the micro-batch)"
             )
         elif micro.last and self._sync.reduces_buckets:
+            # The first call's gradients were reduced across ranks as they were folded: stepping without this loss
+            # would leave part of the micro-batch out, so the window cannot end well any more.
+            self._discard_window()
             raise RuntimeError(
                 "backward(): with model=, a window's last micro-batch takes one backward() call (its buckets are "
-                "reduced across ranks as they are folded): sum the losses and call backward() once"
+                "reduced across ranks as they are folded, so the first call's are reduced already); the window was "
+                "discarded (micro_step is 0 again), as on every rank that makes this call: sum the losses and call "
+                "backward() once"
             )
         self._check_lr_unchanged()
         if self._grad_scaler is not None:
@@ -1073,14 +1078,15 @@ class GradAccumulator(torch.optim.Optimizer):
             sums = self._reduced_window_sums(-1 if refusal is not None else self._micro_step)
             if refusal is not None:
                 raise refusal
-            count, squares, code, code_squares = sums[2:6].tolist()
+            host_sums = sums[:_SUMS_FLAGS].tolist()
+            count, squares = host_sums[2:4]
             if _ranks_differ(count, squares, self._sync.world_size):
                 raise RuntimeError(
                     f"flush(): the ranks are at different micro-steps (this rank: {self._micro_step}), or another "
                     "rank refused flush() (its error says why); nothing changed. Every rank must run the same "
                     "number of micro-batches before flush()"
                 )
-            if _ranks_differ(code, code_squares, self._sync.world_size):
+            if _settings_differ_across(host_sums, self._sync.world_size):
                 raise RuntimeError(self._settings_differ("flush()") + "; nothing changed")
             if count == 0:
                 self._stepped = False
@@ -1394,19 +1400,19 @@ class GradAccumulator(torch.optim.Optimizer):
             )
 
     def _reduced_window_sums(self, count: int) -> torch.Tensor:
-        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, the settings' code, code
-        squared, then a had-gradient flag per parameter and, where gafused reduces buckets (DDP), a folded-late flag
-        per bucket) over the ranks. Buckets are cut from each rank's own elements, so under FSDP2 (uneven shards)
+        """All-reduce (weight sum, bad-weight flag, micro-batch count, count squared, each of the settings' codes and
+        its square, then a had-gradient flag per parameter and, where gafused reduces buckets (DDP), a folded-late
+        flag per bucket) over the ranks. Buckets are cut from each rank's own elements, so under FSDP2 (uneven shards)
         their number differs across ranks: the flags then stop at the parameters, whose number every rank shares.
         The code is of the settings a window's end uses that setters change (``max_grad_norm``, ``normalization``):
         the check at construction cannot see them changed on some ranks only."""
         flags = [float(had) for group in self._groups for had in group.had_grad]
         if self._sync.reduces_buckets:
             flags += [float(key in self._late) for key in self._reduce_order]
-        code = distributed.settings_code((self.max_grad_norm, self.normalization))
+        codes = distributed.settings_codes((self.max_grad_norm, self.normalization))
         # Pinned and non-blocking on a GPU: a copy from pageable memory would wait for the device (a host sync).
         host = torch.tensor(
-            [0.0, 0.0, 0.0, 0.0, code, code * code, *flags],
+            [0.0, 0.0, 0.0, 0.0, *(value for code in codes for value in (code, code * code)), *flags],
             dtype=torch.float64,
             pin_memory=self._home.type == "cuda",
         )
@@ -1435,11 +1441,11 @@ class GradAccumulator(torch.optim.Optimizer):
         self._sync.window_ended()
         self._weight_sum = sums[0]
         self._bad_weight = sums[1] > 0
-        self._rank_flags = sums[6:]
+        self._rank_flags = sums[_SUMS_FLAGS:]
         # (micro-batch counts differ, settings' codes differ) across ranks, read at the window end's one host sync
         ranks = self._sync.world_size
         self._rank_mismatch = torch.stack(
-            [_ranks_differ(sums[2], sums[3], ranks), _ranks_differ(sums[4], sums[5], ranks)]
+            [_ranks_differ(sums[2], sums[3], ranks), _settings_differ_across(sums, ranks)]
         )
         scale = self._window_scale(self._weight_sum)
         zero = torch.zeros((), dtype=torch.float64, device=self._home)
@@ -2054,9 +2060,10 @@ class GradAccumulator(torch.optim.Optimizer):
                 "opt.stepped is True), or keep FSDP's sync on in windows that may be checkpointed"
             )
         if self._micro_step > 0 and _called_from_dcp("_get_optim_state_dict"):
+            folded = f"{self._micro_step} micro-batch{'es' if self._micro_step > 1 else ''} folded"
             raise RuntimeError(
                 f"state_dict(): torch.distributed.checkpoint keeps only an optimizer state_dict's 'state' and "
-                f"'param_groups', so the open window ({self._micro_step} micro-batches folded) would be lost. Take DCP "
+                f"'param_groups', so the open window ({folded}) would be lost. Take DCP "
                 "checkpoints between windows (when opt.stepped is True), or save opt.state_dict() of every rank with "
                 "torch.save"
             )
@@ -2230,6 +2237,17 @@ def _ranks_differ(total: Any, squares: Any, ranks: int) -> Any:
     device, where no host sync is wanted): by Cauchy-Schwarz, ``ranks * sum(c^2) == (sum c)^2`` exactly when every
     rank's ``c`` is the same (integers whose sums float64 holds exactly)."""
     return squares * ranks != total * total
+
+
+# The window sums (_reduced_window_sums): weight sum, bad-weight flag, micro-step count and its square, then each of
+# the settings' codes and its square; the rank flags start after them.
+_SUMS_FLAGS = 4 + 2 * distributed.SETTINGS_CODES
+
+
+def _settings_differ_across(sums: Any, ranks: int) -> Any:
+    """Whether the ranks' settings codes differ, from the window sums (floats, or a tensor on the device)."""
+    differ = [_ranks_differ(sums[4 + 2 * i], sums[5 + 2 * i], ranks) for i in range(distributed.SETTINGS_CODES)]
+    return torch.stack(differ).any() if isinstance(sums, torch.Tensor) else any(differ)
 
 
 def _swapped_grad_error(subject: str, how: str) -> RuntimeError:

@@ -188,11 +188,16 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
-def settings_code(value: Any) -> int:
-    """A 12-bit code of ``repr(value)``, the same in every process: summed, and squared and summed, over the ranks in
-    float64, both sums stay exact integers up to 2^14 ranks, so ``ranks * sum(c^2) == sum(c)^2`` tells whether every
-    rank's code is the same (up to a collision of two codes: 1 in 4096)."""
-    return _digest(value) % 4096
+SETTINGS_CODES = 2  # codes per window: two settings collide in all of them 1 time in 4096^2
+
+
+def settings_codes(value: Any) -> list[int]:
+    """``SETTINGS_CODES`` 12-bit codes of ``repr(value)`` (distinct bits of its digest), the same in every process.
+    Each summed, and squared and summed, over the ranks in float64, both sums stay exact integers up to 2^14 ranks,
+    so ``ranks * sum(c^2) == sum(c)^2`` tells whether every rank's code is the same. Two different values give the
+    same codes 1 time in 4096^2 (one 12-bit code let max_grad_norm=6.95 pass for 0.5)."""
+    digest = _digest(value)
+    return [(digest >> (12 * index)) % 4096 for index in range(SETTINGS_CODES)]
 
 
 def _short(value: Any, limit: int = 160) -> str:

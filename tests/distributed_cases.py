@@ -36,9 +36,9 @@ BUCKET_BYTES = 256  # several buckets on a 6-parameter model
 
 def window_sums_bytes(params: int, buckets: int) -> int:
     """The float64 all-reduce that ends a window: weight sum, bad-weight flag, micro-step count and its square, the
-    settings' code and its square, then one had-gradient flag per parameter and, where gafused reduces buckets (DDP;
-    pass 0 for FSDP2), one folded-late flag per bucket."""
-    return 8 * (6 + params + buckets)
+    settings' two codes and their squares, then one had-gradient flag per parameter and, where gafused reduces
+    buckets (DDP; pass 0 for FSDP2), one folded-late flag per bucket."""
+    return 8 * (8 + params + buckets)
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -689,6 +689,21 @@ def _misuse(rank: int) -> dict[str, str]:
     micro_step(opt)
     micro_step(opt)
     said["settings alike again"] = str(opt.stepped)
+    # 6.95 and 0.5 share the first settings code (one 12-bit code let them pass); the second tells them apart.
+    micro_step(opt)
+    opt.max_grad_norm = 6.95 if rank == 1 else 0.5
+    said["window end with colliding first codes"] = _said(RuntimeError, micro_step, opt)
+    # A second backward() on a window's last micro-batch, on every rank: its first was reduced already, so the
+    # window is discarded; the next one steps.
+    opt.max_grad_norm = MAX_NORM
+    micro_step(opt)
+    losses = token_losses(ddp, x, y)
+    opt.backward(losses[:1].sum() / x.shape[0], weight=x.shape[0], retain_graph=True)
+    said["second backward on the last micro-batch"] = _said(RuntimeError, opt.backward, losses[1:].sum() / x.shape[0])
+    said["second backward on the last micro-batch micro_step"] = str(opt.micro_step)
+    micro_step(opt)
+    micro_step(opt)
+    said["window after the second backward"] = str(opt.stepped)
     del opt
     gc.collect()
     # A mid-window checkpoint holds this rank's part: loading another rank's is refused.

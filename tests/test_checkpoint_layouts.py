@@ -281,7 +281,7 @@ def test_dcp_mid_window_is_refused_and_changes_nothing(inner: str) -> None:
     model, opt = _build(inner)
     _train(model, opt, batches[: N + 1])
     before = _window(opt)
-    with pytest.raises(RuntimeError, match=r"torch.distributed.checkpoint keeps only .* \(1 micro-batches folded\)"):
+    with pytest.raises(RuntimeError, match=r"torch.distributed.checkpoint keeps only .* \(1 micro-batch folded\)"):
         get_optimizer_state_dict(model, opt)
     _assert_window(opt, before)
     plain_state = {key: value for key, value in opt.state_dict().items() if key != "gafused"}

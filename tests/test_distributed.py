@@ -315,6 +315,12 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "window was discarded" in said["window end with settings apart"]
         assert said["flush with settings apart micro_step"] == "1"
         assert said["window end with settings apart micro_step"] == "0" and said["settings alike again"] == "True"
+        refused = said["window end with colliding first codes"]
+        assert f"max_grad_norm={6.95 if rank == 1 else 0.5!r}" in refused and "window was discarded" in refused, refused
+        refused = said["second backward on the last micro-batch"]
+        assert "takes one backward() call" in refused and "the window was discarded" in refused, refused
+        assert said["second backward on the last micro-batch micro_step"] == "0"
+        assert said["window after the second backward"] == "True"
         assert said["checkpoint rank"] == str(rank)
         assert "['rank']" in said["other rank's checkpoint"] and "each rank's own" in said["other rank's checkpoint"]
         assert "float16" in said["fsdp fp16 loss weight"] and "loss.float()" in said["fsdp fp16 loss weight"]
@@ -351,6 +357,15 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
             assert ("already folded" if loop == "backward" else "FSDP holds") in refused, (loop, refused)
         assert said["ddp synchronizes after a drop inside no_sync"] == "True"
         assert said["ddp no_sync after a drop"] == "True" and said["ddp uneven no_sync after a drop"] == "True"
+
+
+def test_settings_that_share_one_code_are_told_apart_by_the_other() -> None:
+    from gafused import distributed
+
+    first, second = distributed.settings_codes((6.95, "mean")), distributed.settings_codes((0.5, "mean"))
+    assert len(first) == distributed.SETTINGS_CODES == 2 and all(0 <= code < 4096 for code in first + second)
+    assert first[0] == second[0] and first != second
+    assert distributed.settings_codes((6.95, "mean")) == first  # the same in every process: a digest, not hash()
 
 
 def test_fsdp_ranks_whose_bucket_cuts_differ_are_built_alike(ranks: list[dict]) -> None:
