@@ -1308,25 +1308,78 @@ def _passing_kwargs_on(self, model, inputs, return_outputs=False, **kwargs):  # 
 def test_a_compute_loss_of_the_users_that_ignores_the_count_must_say_how_its_loss_is_scaled(tmp_path: Path) -> None:
     """On a model that takes loss kwargs, Trainer takes any compute_loss's loss as normalized over the window unless
     loss_is_scaled_for_ga says otherwise, so a per-micro-batch mean is summed (the gradient 4x too large here, as
-    plain Trainer's). GafusedTrainer refuses such a compute_loss until the class declares it; declared False, the
-    means are weighed by their tokens and one window steps by the float64 token-mean gradient."""
+    plain Trainer's). GafusedTrainer's train() refuses such a compute_loss, changing nothing, until it is declared;
+    declared False (on the class, or in the subclass's own __init__, as is model_accepts_loss_kwargs = False by
+    trainers that compute their own loss), the means are weighed by their tokens and one window steps by the
+    float64 token-mean gradient."""
 
-    def trainer(compute_loss: Any, model: torch.nn.Module, **declared: Any) -> transformers.Trainer:
-        cls = type("UserTrainer", (GafusedTrainer,), {"compute_loss": compute_loss, **declared})
+    def trainer(compute_loss: Any, model: torch.nn.Module, base: type = GafusedTrainer, **declared: Any):  # noqa: ANN202
+        cls = type("UserTrainer", (base,), {"compute_loss": compute_loss, **declared})
         return _sgd_trainer(cls, model, tmp_path, _first_window(), False, data_collator=cases.collate)
 
+    refused = trainer(_mean_loss, cases.make_model())  # built: a subclass's __init__ may still set its flags
+    before = [p.detach().clone() for p in refused.model.parameters()]
     with pytest.raises(ValueError, match=r"loss_is_scaled_for_ga: UserTrainer.compute_loss computes a loss of its own"):
-        trainer(_mean_loss, cases.make_model())
+        refused.train()
+    assert refused.accumulator is None and all(map(torch.equal, before, refused.model.parameters()))
     for passing_on in (_passing_the_count_on, _passing_kwargs_on):  # the count reaches the model's loss
-        assert trainer(passing_on, cases.make_model())._sums
-    assert trainer(_mean_loss, cases.make_model(), loss_is_scaled_for_ga=True)._sums  # declared: taken at its word
-    model = cases.make_model()
-    start, grads = _first_window_truth(model, model)
-    declared = trainer(_mean_loss, model, loss_is_scaled_for_ga=False)
-    declared.train()
-    assert declared.state.global_step == 1 and declared.accumulator.normalization == "mean"
-    error = _step_error(model, start, grads)
-    assert error < 1e-5, error
+        passes = trainer(passing_on, cases.make_model())
+        passes._decide_loss(passes.model)  # as train() does when it starts
+        assert passes._sums
+    declared_true = trainer(_mean_loss, cases.make_model(), loss_is_scaled_for_ga=True)
+    declared_true._decide_loss(declared_true.model)  # declared: taken at its word
+    assert declared_true._sums
+
+    def sets_in_init(flag: str) -> Any:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            GafusedTrainer.__init__(self, *args, **kwargs)
+            setattr(self, flag, False)
+
+        return __init__
+
+    for declared in ({"loss_is_scaled_for_ga": False}, {"__init__": sets_in_init("loss_is_scaled_for_ga")},
+                     {"__init__": sets_in_init("model_accepts_loss_kwargs")}):  # fmt: skip
+        model = cases.make_model()
+        start, grads = _first_window_truth(model, model)
+        works = trainer(_mean_loss, model, **declared)
+        works.train()
+        assert works.state.global_step == 1 and works.accumulator.normalization == "mean", declared
+        error = _step_error(model, start, grads)
+        assert error < 1e-5, (declared, error)
+    # On a model that takes no loss kwargs, Trainer never sums: such a compute_loss is a mean, and nothing is refused.
+    model = _WithoutLossKwargs()
+    start, grads = _first_window_truth(model, model.lm)
+    mean = trainer(_mean_loss, model, _CountingAfterTheShift)
+    mean.train()
+    assert mean.accumulator.normalization == "mean" and _step_error(model, start, grads) < 1e-5
+
+
+class _WithoutLossKwargs(_WrappedCausalLM):
+    def forward(self, input_ids, attention_mask=None, labels=None):  # noqa: ANN001, ANN201
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_a_users_loss_items_must_count_one_number_per_micro_batch(tmp_path: Path) -> None:
+    trainer = _sgd_trainer(GafusedTrainer, _WrappedCausalLM(), tmp_path, _first_window(), False,
+                           data_collator=cases.collate)  # fmt: skip
+    window = [cases.collate(list(_first_window())[:2])]
+    trainer.loss_items = lambda inputs: inputs["labels"][..., 1:].ne(-100).sum(-1)  # per row: not one number
+    with pytest.raises(TypeError, match=r"loss_items\(inputs\) must return one number .* shape \(2,\)"):
+        trainer._get_num_items_in_batch(window, torch.device("cpu"))
+    trainer.loss_items = lambda inputs: 3  # set on the trainer: counted too, as an int
+    assert int(trainer._get_num_items_in_batch(window, torch.device("cpu"))) == 3 * len(window)
+
+
+def test_under_label_smoothing_the_count_is_what_the_smoother_scores_not_loss_items(tmp_path: Path) -> None:
+    """The LabelSmoother scores a wrapper's labels unshifted (its class is no causal LM of the auto mapping), and
+    Trainer counts them so; a loss_items of the user's, written for the model's own loss, must not replace that."""
+    model = _WrappedCausalLM()
+    model.config = model.lm.config  # Trainer's label smoothing reads it
+    trainer = _sgd_trainer(_CountingAfterTheShift, model, tmp_path, _first_window(), False,
+                           data_collator=cases.collate, label_smoothing_factor=0.1)  # fmt: skip
+    window = [cases.collate([item]) for item in _first_window()]
+    every_label = sum(int(batch["labels"].ne(-100).sum()) for batch in window)
+    assert trainer._smoothed and int(trainer._get_num_items_in_batch(window, torch.device("cpu"))) == every_label
 
 
 def test_a_compute_loss_is_read_for_the_count_it_hands_on() -> None:

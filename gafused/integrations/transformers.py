@@ -28,8 +28,9 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   (``current_gradient_accumulation_steps``, fewer in a partial window) is undone for the backward (the returned,
   logged loss keeps it). Which of the two is decided when training starts, from ``model_accepts_loss_kwargs``,
   ``compute_loss_func`` and ``loss_is_scaled_for_ga`` as they are then. A ``compute_loss`` of the user's that never
-  uses ``num_items_in_batch`` (``_ignores_the_count``) is refused where Trainer would sum its loss, until the class
-  declares ``loss_is_scaled_for_ga``. An overridden ``loss_items`` is also Trainer's count (``num_items_in_batch``).
+  uses ``num_items_in_batch`` (``_ignores_the_count``) is refused when training starts where Trainer would sum its
+  loss, until ``loss_is_scaled_for_ga`` is set. An overridden ``loss_items`` is also Trainer's count
+  (``num_items_in_batch``), but under label smoothing.
 - Heads whose loss ignores ``num_items_in_batch``: Trainer takes a model whose ``forward`` accepts ``**kwargs`` to
   normalize its loss over the window, but transformers' losses for sequence, token, image, audio and video
   classification, question answering and detection (``LOSS_MAPPING`` entries without that argument) stay means
@@ -195,7 +196,7 @@ class GafusedTrainer(transformers.Trainer):
             and _loss_ignores_item_count(inspected)
         ):
             self.model_accepts_loss_kwargs = False
-        self._decide_loss(self.model)
+        self._decide_loss(self.model, starting=False)
         self.accumulator: GradAccumulator | None = None
         self._norm: torch.Tensor | None = None
         self.add_callback(_AfterOptimizerStep(self))
@@ -212,11 +213,12 @@ class GafusedTrainer(transformers.Trainer):
         if self.get_tp_size() > 1 or self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise ValueError("parallelism_config: GafusedTrainer supports data parallelism (DDP) only")
 
-    def _decide_loss(self, model: torch.nn.Module) -> None:
+    def _decide_loss(self, model: torch.nn.Module, starting: bool = True) -> None:
         """Who computes the training loss, with the Trainer configured as it is now (``model_accepts_loss_kwargs`` and
         ``compute_loss_func`` may be set after construction, as Trainer reads them at each step): what a
         micro-batch's items are, and whether the accumulator sums the losses or averages them (module docstring).
-        ``model``: the one ``compute_loss`` gets. Refused configurations change nothing."""
+        ``model``: the one ``compute_loss`` gets; ``starting``: training starts (a subclass's own ``__init__`` has
+        set its flags by then). Refused configurations change nothing."""
         smoothed = self.compute_loss_func is None and self.label_smoother is not None and self._smoothable
         sums = self._loss_normalized_over_window()
         if not smoothed and self.compute_loss_func is None and self._ctc_reduction == "sum" and not sums:
@@ -236,17 +238,19 @@ class GafusedTrainer(transformers.Trainer):
                 "default average_tokens_across_devices=True"
             )
         if (
-            sums
+            starting
+            and sums
             and self.loss_is_scaled_for_ga is None
             and _defined_by(type(self), "compute_loss") not in (GafusedTrainer, transformers.Trainer)
             and _ignores_the_count(type(self).compute_loss)
         ):
             raise ValueError(
                 f"loss_is_scaled_for_ga: {type(self).__name__}.compute_loss computes a loss of its own without "
-                "num_items_in_batch, and loss_is_scaled_for_ga is unset, so Trainer would take that loss as "
-                "normalized over the window (the model takes loss kwargs) and sum it; declare loss_is_scaled_for_ga "
-                "on the class: False for a mean over its own micro-batch (GafusedTrainer weighs it by loss_items), "
-                "True for a loss you normalized over the whole window yourself"
+                "num_items_in_batch, and loss_is_scaled_for_ga is unset, so Trainer takes that loss as normalized "
+                "over the window (the model takes loss kwargs, or a compute_loss_func is set) and the window sums "
+                "it; set loss_is_scaled_for_ga before train(): False for a mean over its own micro-batch "
+                "(GafusedTrainer weighs it by loss_items), True for a loss you normalized over the whole window "
+                "yourself (or model_accepts_loss_kwargs = False, as for a model whose loss takes no count)"
             )
         self._smoothed, self._sums = smoothed, sums
         if smoothed:
@@ -325,15 +329,19 @@ class GafusedTrainer(transformers.Trainer):
         if self._smoothed:
             batch_samples = [_without_shift_labels(batch) for batch in batch_samples]
         counted = super()._get_num_items_in_batch(batch_samples, device)
-        if counted is None or _defined_by(type(self), "loss_items") is GafusedTrainer:
+        if counted is None or self._smoothed or not self._counts_its_own_items():
+            # (Under label smoothing the loss is Trainer's LabelSmoother's, whose labels Trainer counts above.)
             return counted
         # A loss_items of the user's says what a micro-batch's items are (a model of their own around a causal LM,
         # which Trainer counts before the shift): the window's count is its sum, over the ranks as Trainer's is.
-        items = torch.stack([torch.as_tensor(self.loss_items(batch)).reshape(()) for batch in batch_samples]).sum()
-        items = items.to(device)
+        items = torch.stack([_item_count(self.loss_items(batch), device) for batch in batch_samples]).sum()
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             items = self.accelerator.gather(items).sum()
         return items
+
+    def _counts_its_own_items(self) -> bool:
+        """Whether ``loss_items`` is the user's: overridden in a subclass or set on the trainer."""
+        return "loss_items" in vars(self) or _defined_by(type(self), "loss_items") is not GafusedTrainer
 
     def loss_items(self, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The number of items a micro-batch's mean loss averages over: its weight when losses are per-micro-batch
@@ -346,7 +354,8 @@ class GafusedTrainer(transformers.Trainer):
         a question-answering batch (``start_positions``, ``end_positions``, no labels) over the sequences whose
         positions lie inside them. Override it for losses that average over something else; overridden, it also
         counts the items of losses normalized over the window: Trainer's ``num_items_in_batch`` is then its sum over
-        the window's micro-batches (and the ranks, with ``average_tokens_across_devices``).
+        the window's micro-batches (and the ranks, with ``average_tokens_across_devices``), except under label
+        smoothing, whose LabelSmoother loss is counted as Trainer counts it.
         """
         if self._smoothed and "labels" in inputs:
             labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
@@ -588,6 +597,17 @@ def _names_the_count(nodes: list[ast.AST]) -> bool:
         or (isinstance(node, ast.keyword) and node.arg == "num_items_in_batch")
         for node in nodes
     )
+
+
+def _item_count(count: Any, device: torch.device) -> torch.Tensor:
+    """One micro-batch's ``loss_items`` as a 0-d tensor on ``device``, or a TypeError naming ``loss_items``."""
+    value = torch.as_tensor(count)
+    if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(
+            f"loss_items(inputs) must return one number (an int, or a one-element tensor) per micro-batch, got "
+            f"{type(count).__name__} of shape {tuple(value.shape)}"
+        )
+    return value.reshape(()).to(device)
 
 
 def _defined_by(cls: type, name: str) -> type | None:
