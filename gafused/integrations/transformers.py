@@ -30,7 +30,7 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   ``compute_loss_func`` and ``loss_is_scaled_for_ga`` as they are then. A ``compute_loss`` of the user's that never
   uses ``num_items_in_batch`` (``_ignores_the_count``) is refused when training starts where Trainer would sum its
   loss, until ``loss_is_scaled_for_ga`` is set. An overridden ``loss_items`` is also Trainer's count
-  (``num_items_in_batch``), but under label smoothing.
+  (``num_items_in_batch``), except under label smoothing.
 - Heads whose loss ignores ``num_items_in_batch``: Trainer takes a model whose ``forward`` accepts ``**kwargs`` to
   normalize its loss over the window, but transformers' losses for sequence, token, image, audio and video
   classification, question answering and detection (``LOSS_MAPPING`` entries without that argument) stay means
