@@ -1068,6 +1068,97 @@ def run_old_layout_checkpoint(rank: int) -> dict[str, bool]:
     return results
 
 
+def run_old_layout_refusals(rank: int) -> dict[str, bool]:
+    """Mid-window checkpoints of earlier versions loaded with model= where the optimizer lists the parameters in
+    reverse. One of version 4 (laid out in the model's order already) over parameters of one size, which the numels
+    cannot tell apart from the optimizer's order, loads as it is. A version-1 or 3 window that does not describe the
+    optimizer's layout (numels of other parameters, a field longer than the layout, no segments, a micro_step that is
+    no int, one buffer entry more), and a window without world_size (a single process's) on two ranks, are refused
+    naming the field, nothing changed."""
+    import gafused
+
+    def build(module: torch.nn.Module) -> tuple[torch.nn.Module, gafused.GradAccumulator]:
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        inner = torch.optim.SGD(list(module.parameters())[::-1], lr=LR)
+        return model, gafused.GradAccumulator(inner, N, model=model)
+
+    def square_layers() -> torch.nn.Module:
+        torch.manual_seed(0)
+        square = [torch.nn.Linear(6, 6, bias=False), torch.nn.Tanh(), torch.nn.Linear(6, 6, bias=False)]
+        return torch.nn.Sequential(*square)
+
+    def saved(make: Callable[[], torch.nn.Module]) -> tuple[dict, gafused.GradAccumulator]:
+        model, opt = build(make())
+        x, _ = micro_batch(rank, 0, 0)
+        opt.backward(model(x).square().sum(), weight=x.shape[0])
+        opt.step()
+        return opt.state_dict(), opt
+
+    def in_optimizer_order(window: dict, version: int) -> dict:
+        """``window`` (this version's: one buffer, in the model's order) as versions 1 and 3 laid it out."""
+        (entry,) = window["buffers"]
+        pieces = entry["segments"].split(entry["numels"])
+        parts = list(zip(entry["numels"], entry["shapes"], entry["had_grad"], pieces, strict=True))[::-1]
+        buffer = {
+            "numels": [part[0] for part in parts],
+            "had_grad": [part[2] for part in parts],
+            "segments": torch.cat([part[3] for part in parts]),
+        }
+        if version == 3:
+            buffer["shapes"] = [part[1] for part in parts]
+        earlier = {key: value for key, value in window.items() if key != "layout"}
+        return {**earlier, "version": version, "buffers": [buffer]}
+
+    def edited(window: dict, **fields: Any) -> dict:
+        """``window`` with its one buffer entry's ``fields`` replaced."""
+        return {**window, "buffers": [{**window["buffers"][0], **fields}]}
+
+    results = {}
+    state, opt = saved(square_layers)
+    window = {key: value for key, value in state["gafused"].items() if key != "layout"}
+    window_v4 = {**window, "version": 4, "buffers": [{**entry} for entry in window["buffers"]]}
+    for entry in window_v4["buffers"]:
+        del entry["positions"]
+    _, resumed = build(square_layers())
+    resumed.load_state_dict({**state, "gafused": window_v4})
+    loaded = resumed.micro_step == 1 and torch.equal(resumed.buffers[0].data, opt.buffers[0].data)
+    results["version 4, parameters of one size: loads as laid out"] = loaded
+
+    state, _ = saved(make_model)
+    v3, v1 = in_optimizer_order(state["gafused"], 3), in_optimizer_order(state["gafused"], 1)
+    (entry,) = v3["buffers"]
+    numels = entry["numels"]
+    malformed = {
+        "version 1, numels of other parameters": (
+            edited(v1, numels=[numels[1], numels[0], *numels[2:]]),
+            "'numels' do not match",
+        ),
+        "version 3, segments one element longer": (
+            edited(v3, segments=torch.cat([entry["segments"], torch.ones(1)])),
+            "'numels' do not match",
+        ),
+        "version 3, had_grad one longer": (edited(v3, had_grad=[*entry["had_grad"], True]), "'numels' do not match"),
+        "version 3, shapes one longer": (edited(v3, shapes=[*entry["shapes"], [1]]), "'numels' do not match"),
+        "version 3, micro_step None": ({**v3, "micro_step": None}, "['micro_step']: expected a non-negative int"),
+        "version 3, no segments": (edited(v3, segments=None), "['buffers'][0]"),
+        "version 3, a buffer entry more": ({**v3, "buffers": [entry, entry]}, "expected 1 buffer entries"),
+        "no world_size": (
+            {key: value for key, value in state["gafused"].items() if key != "world_size"},
+            f"['world_size']: expected {WORLD}",
+        ),
+    }
+    for name, (window, message) in malformed.items():
+        _, resumed = build(make_model())
+        try:
+            resumed.load_state_dict({**state, "gafused": window})
+            results[f"{name}: refused"] = False
+        except ValueError as error:
+            results[f"{name}: refused"] = resumed.micro_step == 0 and message in str(error)
+        except Exception:  # refused, but not as a ValueError naming the field
+            results[f"{name}: refused"] = False
+    return results
+
+
 def _cross_layout_checkpoint(rank: int) -> dict[str, bool]:
     """A mid-window checkpoint saved with model= and loaded without it, or the reverse, both over one rank (a DDP on
     a one-rank group): the positions in the model's order and in the optimizer's (here the reverse) both count up
@@ -1121,6 +1212,10 @@ def _rank(rank: int, port: int, out: str) -> None:
         results["old layout checkpoint"] = run_old_layout_checkpoint(rank)
     except Exception as error:  # reported by the test, named
         results["old layout checkpoint"] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["old layout refusals"] = run_old_layout_refusals(rank)
+    except Exception as error:  # reported by the test, named
+        results["old layout refusals"] = {"error": f"{type(error).__name__}: {error}"}
     for name in IRREGULAR:
         try:
             results[f"irregular: {name}"] = run_irregular(rank, name)

@@ -778,6 +778,27 @@ def test_param_groups_and_state_are_the_inner_optimizers():
     assert "GradAccumulator(AdamW" in repr(opt)
 
 
+@pytest.mark.parametrize("window", ["between windows", "mid-window"])
+def test_a_checkpoint_group_of_more_parameters_is_refused_as_that(window):
+    """A checkpoint whose group lists more parameters than the optimizer's is refused for that group (as the inner
+    optimizer would), not for the window's parameter sizes; nothing changes."""
+    model = _model()
+    saver = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    batches = _data([2, 3, 2], seed=5)
+    for x, y in batches[: 3 if window == "mid-window" else 2]:
+        _micro_step(saver, model, x, y, "step")
+    state = saver.state_dict()
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    loader = GradAccumulator(torch.optim.SGD(weights, lr=0.1), accumulation_steps=2)
+    _micro_step(loader, model, *batches[0], "step")
+    before = copy.deepcopy(loader.optimizer.state_dict()), loader.micro_step, [b.data.clone() for b in loader.buffers]
+    message = "param_groups'][0]: the checkpoint's group has 4 parameters, the optimizer's 2"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        loader.load_state_dict(state)
+    assert loader.optimizer.state_dict() == before[0] and loader.micro_step == before[1] == 1
+    assert all(torch.equal(b.data, kept) for b, kept in zip(loader.buffers, before[2], strict=True))
+
+
 def test_numpy_integers_are_taken_as_ints():
     """A count read from a NumPy array or config (np.int64) is an int to the accumulator, and kept as a Python int
     (what a checkpoint saves); a NumPy bool or float is refused as a Python one is."""

@@ -9,6 +9,7 @@ plain optimizer's (between windows only: it holds no window). torch.distributed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -248,6 +249,128 @@ def test_a_state_dict_without_param_groups_is_refused() -> None:
     _, opt = _build()
     with pytest.raises(ValueError, match="no 'param_groups'"):
         opt.load_state_dict({"state": {}})
+
+
+def _edited(opt: GradAccumulator, edit: Callable[[dict], None]) -> dict:
+    """``opt.state_dict()`` with ``edit`` applied to its window (in place)."""
+    state = opt.state_dict()
+    edit(state["gafused"])
+    return state
+
+
+@pytest.mark.parametrize("field", ["rank", "window_lrs", "world_size", "normalization"])
+def test_a_mid_window_checkpoint_without_a_later_field_resumes_exactly(field: str) -> None:
+    """Fields added to the window over time are absent from older checkpoints, which resume exactly: no rank (one
+    process's window), no window_lrs (the window's learning rates not recorded), no world_size (one process), no
+    normalization ("mean")."""
+    _resumes_exactly(N + 1, lambda opt: _edited(opt, lambda window: window.pop(field)), micro_step=1)
+
+
+def test_a_checkpoint_between_windows_of_another_rank_and_world_size_loads() -> None:
+    """Between windows the checkpoint holds no rank's part of a window: one taken on rank 1 of 2 resumes in a single
+    process (rank and world size are checked only for an open window)."""
+
+    def elsewhere(window: dict) -> None:
+        window.update(world_size=2, rank=1)
+
+    _resumes_exactly(N, lambda opt: _edited(opt, elsewhere), micro_step=0)
+
+
+@pytest.mark.parametrize(
+    "recorded", [("tensor", 140000000000, 0), ["tensor", 140000000000, 0], ["tensor", 140000000000]]
+)
+def test_a_learning_rate_recorded_by_identity_resumes_as_the_loaded_optimizers(recorded) -> None:
+    """A device-tensor learning rate is recorded by identity (a tuple, a list after some round trips; two entries in
+    older checkpoints): the loaded optimizer's own learning rate stands for it, so resuming the window neither is
+    refused nor warns of a learning rate changed inside it."""
+
+    def by_identity(window: dict) -> None:
+        window["window_lrs"] = [recorded]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*learning rate changed")
+        _resumes_exactly(N + 1, lambda opt: _edited(opt, by_identity), micro_step=1)
+
+
+def test_a_window_learning_rate_of_none_loads() -> None:
+    """A param group without a learning rate is recorded as None: such a window loads."""
+    model, opt = _build()
+    _train(model, opt, _batches(N + 1))
+    state = _edited(opt, lambda window: window.update(window_lrs=[None]))
+    _, resumed_opt = _build()
+    resumed_opt.load_state_dict(state)
+    assert resumed_opt.micro_step == 1
+
+
+@pytest.mark.parametrize("first", ["zero", "the smallest weight"])
+def test_a_mid_window_checkpoint_at_the_edge_of_the_weights_resumes_exactly(first: str) -> None:
+    """A window whose weights so far sum to 0 (a micro-batch of weight 0) or to the smallest weight there is (the
+    smallest normal number of the accumulation dtype) is a window; checkpointed there, it resumes exactly."""
+    batches = _batches(2 * N)
+
+    def weights(opt: GradAccumulator) -> list[float]:
+        edge = 0.0 if first == "zero" else torch.finfo(opt.buffers[0].accum_dtype).tiny
+        return [x.shape[0] for x, _ in batches[:N]] + [edge] + [x.shape[0] for x, _ in batches[N + 1 :]]
+
+    def train(model: torch.nn.Module, opt: GradAccumulator, start: int, stop: int) -> None:
+        for (x, y), weight in list(zip(batches, weights(opt), strict=True))[start:stop]:
+            opt.backward(torch.nn.functional.mse_loss(model(x), y, reduction="sum"), weight=weight)
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = _build()
+    train(model, opt, 0, 2 * N)
+    assert opt.stepped
+    expected = [p.detach().clone() for p in model.parameters()]
+    model, opt = _build()
+    train(model, opt, 0, N + 1)
+    state = opt.state_dict()
+    assert state["gafused"]["weight_sum"].item() == weights(opt)[N]
+    resumed, resumed_opt = _build()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt.load_state_dict(state)
+    assert resumed_opt.micro_step == 1
+    train(resumed, resumed_opt, N + 1, 2 * N)
+    _assert_same(resumed, expected)
+
+
+def test_a_plain_optimizer_checkpoint_keeps_the_accumulators_skipped_steps() -> None:
+    """A plain optimizer's checkpoint holds no window and no count of skipped windows: the accumulator keeps its own."""
+    model, opt = _build()
+    _train(model, opt, _batches(N))
+    opt._skipped_steps = 2  # (as two skipped windows would leave it)
+    opt.load_state_dict(opt.optimizer.state_dict())
+    assert (opt.micro_step, opt.skipped_steps) == (0, 2)
+
+
+def test_the_inner_optimizer_loads_its_own_part_only() -> None:
+    """The inner optimizer's load_state_dict gets the keys of its own state_dict(), not the window."""
+    model, opt = _build()
+    _train(model, opt, _batches(N + 1))
+    state = opt.state_dict()
+    seen = []
+    opt.optimizer.register_load_state_dict_pre_hook(lambda optimizer, loaded: seen.append(set(loaded)))
+    opt.load_state_dict(state)
+    assert seen == [set(opt.optimizer.state_dict())]
+
+
+def test_a_mid_window_checkpoint_of_version_3_of_other_shapes_is_refused() -> None:
+    """Version 3 recorded the shapes too (with no positions or layout): one of other shapes is refused for them."""
+    saver_model = torch.nn.Linear(4, 6, bias=False)
+    saver = GradAccumulator(torch.optim.SGD(saver_model.parameters(), lr=0.1), N)
+    saver.backward(saver_model(torch.randn(2, 4)).sum())
+    saver.step()
+
+    def version_3(window: dict) -> None:
+        window["version"] = 3
+        del window["layout"], window["buffers"][0]["positions"]
+
+    state = _edited(saver, version_3)
+    loader_model = torch.nn.Linear(6, 4, bias=False)
+    loader = GradAccumulator(torch.optim.SGD(loader_model.parameters(), lr=0.1), N)
+    with pytest.raises(ValueError, match=r"\['buffers'\]\[0\]\['shapes'\]: expected .* \[\[4, 6\]\]"):
+        loader.load_state_dict(state)
+    assert loader.micro_step == 0
 
 
 # --- torch.distributed.checkpoint -----------------------------------------------------------------------------------

@@ -148,6 +148,25 @@ def test_a_checkpoint_in_the_optimizers_order_loads_in_the_models(ranks: list[di
         }, said
 
 
+def test_an_earlier_checkpoint_loaded_with_model_is_rearranged_only_when_it_is_one(ranks: list[dict]) -> None:
+    """With model= and the optimizer's order reversed: a version-4 window (already in the model's order) over
+    parameters of one size loads as laid out; a version-1 or 3 window whose fields do not describe this layout, and
+    one without world_size (a single process's) on two ranks, are refused naming the field, nothing changed."""
+    for rank in range(cases.WORLD):
+        said = ranks[rank]["old layout refusals"]
+        assert said == {
+            "version 4, parameters of one size: loads as laid out": True,
+            "version 1, numels of other parameters: refused": True,
+            "version 3, segments one element longer: refused": True,
+            "version 3, had_grad one longer: refused": True,
+            "version 3, shapes one longer: refused": True,
+            "version 3, micro_step None: refused": True,
+            "version 3, no segments: refused": True,
+            "version 3, a buffer entry more: refused": True,
+            "no world_size: refused": True,
+        }, said
+
+
 @pytest.mark.parametrize("loop", ["backward", "step"])
 def test_checkpoint_mid_window_resumes_bitwise(ranks: list[dict], loop: str) -> None:
     resumed, straight = _result(ranks, f"ddp-{loop}-checkpoint"), _result(ranks, f"ddp-{loop}")

@@ -7,6 +7,7 @@ import copy
 import gc
 import io
 import math
+import re
 import sys
 import warnings
 import weakref
@@ -1157,6 +1158,108 @@ def test_failure_inside_the_inner_load_changes_nothing_of_the_window(monkeypatch
         target.load_state_dict(state)
     after = _everything(target)
     assert before[1] == after[1] == 2
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+
+
+def _malformed(case):
+    """A mid-window checkpoint (``state``) with one field as no state_dict() writes it: the whole state_dict given to
+    load_state_dict (a dict edited in place, or a replacement returned)."""
+
+    def edit(state):
+        window = state["gafused"]
+        entry = window["buffers"][0]
+        if case == "state_dict None":
+            return None
+        if case == "earlier layout, optimizer a list":
+            return {"optimizer": [state["state"], state["param_groups"]], "gafused": window}
+        if case == "version 0":
+            window["version"] = 0
+        elif case == "a newer version":
+            window["version"] = 7
+        elif case == "micro_step True":
+            window["micro_step"] = True
+        elif case == "skipped_steps True":
+            window["skipped_steps"] = True
+        elif case == "skipped_steps negative":
+            window["skipped_steps"] = -1
+        elif case == "weight_sum 1-d":
+            window["weight_sum"] = window["weight_sum"].reshape(1)
+        elif case == "weight_sum float32":
+            window["weight_sum"] = window["weight_sum"].float()
+        elif case == "bad_weight False, weight_sum nan":  # not flagged: the sum is checked as any other
+            window["bad_weight"] = torch.tensor(False)
+            window["weight_sum"] = torch.tensor(float("nan"), dtype=torch.float64)
+        elif case == "normalization unknown, between windows":
+            window["micro_step"] = 0
+            window["normalization"] = "median"
+        elif case == "rank 1":
+            window["rank"] = 1
+        elif case == "numels floats":
+            entry["numels"] = [float(numel) for numel in entry["numels"]]
+        elif case == "buffer entry not a dict":
+            window["buffers"][0] = list(entry)
+        elif case == "a buffer entry more":
+            window["buffers"].append(copy.deepcopy(entry))
+        elif case == "numels reordered":  # the same parameter sizes, in another order
+            entry["numels"] = entry["numels"][::-1]
+        elif case == "had_grad ints":
+            entry["had_grad"] = [int(flag) for flag in entry["had_grad"]]
+        elif case == "segments 2-d":  # the right number of elements, in one row
+            entry["segments"] = entry["segments"].reshape(1, -1)
+        elif case == "window_lrs a dict":
+            window["window_lrs"] = {0: 0.1}
+        elif case == "window_lrs bool":
+            window["window_lrs"] = [True]
+        elif case == "window_lrs pair":
+            window["window_lrs"] = [[0.1, 0.2]]
+        return state
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("state_dict None", "state_dict must be a dict from state_dict(), got NoneType"),
+        ("earlier layout, optimizer a list", "state_dict['optimizer'] must be a dict, got list"),
+        ("version 0", "state_dict['gafused']['version']: unknown gafused state version 0"),
+        ("a newer version", "state_dict['gafused']['version']: unknown gafused state version 7"),
+        ("micro_step True", "['micro_step']: expected a non-negative int, got True"),
+        ("skipped_steps True", "['skipped_steps']: expected a non-negative int, got True"),
+        ("skipped_steps negative", "['skipped_steps']: expected a non-negative int, got -1"),
+        ("weight_sum 1-d", "['weight_sum']: expected None or a dense 0-d torch.float64 tensor"),
+        ("weight_sum float32", "['weight_sum']: expected None or a dense 0-d torch.float64 tensor"),
+        ("bad_weight False, weight_sum nan", "['weight_sum']: expected a sum of micro-batch weights"),
+        ("normalization unknown, between windows", "['normalization']: expected one of ('mean', 'sum'), got 'median'"),
+        ("rank 1", "['rank']: expected 0 (the open window holds rank 1's part of the window"),
+        ("numels floats", "['buffers']: expected a list of dicts with 'numels' (lists of ints)"),
+        ("buffer entry not a dict", "['buffers']: expected a list of dicts with 'numels' (lists of ints)"),
+        ("a buffer entry more", "['buffers']: expected 1 buffer entries for this accumulator's parameters"),
+        ("numels reordered", "['buffers'][0]: its 'numels' do not match this accumulator's parameters"),
+        ("had_grad ints", "['buffers'][0]['had_grad']: expected bools only"),
+        ("segments 2-d", "['buffers'][0]['segments']: expected a dense flat float32 or float64 tensor"),
+        ("window_lrs a dict", "['window_lrs']: expected None or a list of 1 learning rates"),
+        ("window_lrs bool", "['window_lrs']: expected None or a list of 1 learning rates"),
+        ("window_lrs pair", "['window_lrs']: expected None or a list of 1 learning rates"),
+    ],
+)
+def test_a_malformed_window_is_refused_by_name_and_changes_nothing(case, message):
+    """Each field is checked for what state_dict() writes, before anything changes: a value of another type that
+    compares equal (True for 1, 16.0 for 16, a dict for a list), of another shape or dtype, or out of range is refused
+    naming the field, and the accumulator, mid-window itself, keeps its window and its inner optimizer's state."""
+    _, source = _mid_window()
+    state = _malformed(case)(copy.deepcopy(source.state_dict()))
+    model, target = _mid_window()
+    x = _batches(1, seed=9)[0]  # make the target differ from the checkpoint, its window still open
+    _loss(model, x).backward()
+    target.step(weight=x.shape[0])
+    before = _everything(target)
+    assert before[1] == 2
+    with pytest.raises(ValueError, match=re.escape(message)):
+        target.load_state_dict(state)
+    after = _everything(target)
+    assert before[0] == after[0] and before[1] == after[1]
+    assert torch.equal(before[2], after[2])
     assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
 
 
