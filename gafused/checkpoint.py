@@ -148,7 +148,7 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
     if not isinstance(window, dict):
         raise ValueError(f"state_dict['gafused'] must be a dict, got {type(window).__name__}")
     version = window.get("version")
-    if version not in (1, 2, 3, 4, 5, 6):
+    if type(version) is not int or version not in (1, 2, 3, 4, 5, 6):  # (True == 1, 1.0 == 1: no versions)
         raise ValueError(f"state_dict['gafused']['version']: unknown gafused state version {version!r}")
 
     def field_error(name: str, expected: str) -> ValueError:

@@ -1176,6 +1176,8 @@ def _malformed(case):
             window["version"] = 0
         elif case == "a newer version":
             window["version"] = 7
+        elif case == "version True":
+            window["version"] = True
         elif case == "micro_step True":
             window["micro_step"] = True
         elif case == "skipped_steps True":
@@ -1224,6 +1226,7 @@ def _malformed(case):
         ("earlier layout, optimizer a list", "state_dict['optimizer'] must be a dict, got list"),
         ("version 0", "state_dict['gafused']['version']: unknown gafused state version 0"),
         ("a newer version", "state_dict['gafused']['version']: unknown gafused state version 7"),
+        ("version True", "state_dict['gafused']['version']: unknown gafused state version True"),
         ("micro_step True", "['micro_step']: expected a non-negative int, got True"),
         ("skipped_steps True", "['skipped_steps']: expected a non-negative int, got True"),
         ("skipped_steps negative", "['skipped_steps']: expected a non-negative int, got -1"),
