@@ -1404,8 +1404,8 @@ class GradAccumulator(torch.optim.Optimizer):
         its square, then a had-gradient flag per parameter and, where gafused reduces buckets (DDP), a folded-late
         flag per bucket) over the ranks. Buckets are cut from each rank's own elements, so under FSDP2 (uneven shards)
         their number differs across ranks: the flags then stop at the parameters, whose number every rank shares.
-        The code is of the settings a window's end uses that setters change (``max_grad_norm``, ``normalization``):
-        the check at construction cannot see them changed on some ranks only."""
+        The codes are of the settings a window's end uses that setters change (``max_grad_norm``,
+        ``normalization``): the check at construction cannot see them changed on some ranks only."""
         flags = [float(had) for group in self._groups for had in group.had_grad]
         if self._sync.reduces_buckets:
             flags += [float(key in self._late) for key in self._reduce_order]
