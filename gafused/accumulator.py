@@ -30,6 +30,7 @@ recompile for, every micro-step).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import itertools
 import math
@@ -58,6 +59,8 @@ _BACKEND_CHOICES = ("auto", *ops.BACKENDS)
 # float16 is not one: a bucket holds sum(w * g) over the window's micro-batches (weights such as token counts),
 # which overflows float16's range (65504) long before float32's.
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+# The attributes a user may set (each a checked property below).
+_SETTINGS = ("accumulation_steps", "normalization", "max_grad_norm")
 # Inner optimizers that cannot run on a finished dense gradient handed over as p.grad.
 _UNSUPPORTED_OPTIMIZERS = {
     torch.optim.LBFGS: "it re-evaluates the loss through a closure, which a window of micro-batches cannot give",
@@ -520,6 +523,18 @@ class GradAccumulator(torch.optim.Optimizer):
         return groups
 
     # --- public attributes ------------------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A new public attribute is legal (GradScaler sets optimizer.grad_scale), but one a letter or two from a
+        # setting is a typo that would leave the setting as it was: opt.max_grad_nrom = 0.5 would never clip.
+        if name[:1] != "_" and name not in self.__dict__ and not hasattr(type(self), name):
+            meant = difflib.get_close_matches(name, _SETTINGS, n=1, cutoff=0.8)
+            if meant:
+                raise AttributeError(
+                    f"GradAccumulator has no setting {name!r}: did you mean {meant[0]!r}? (the settings are "
+                    f"{', '.join(_SETTINGS)})"
+                )
+        object.__setattr__(self, name, value)
 
     @property
     def accumulation_steps(self) -> int | None:

@@ -1017,6 +1017,29 @@ def test_state_attributes_are_read_only(name):
     assert getattr(opt, name) is before and opt.micro_step == 1
 
 
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("max_grad_nrom", "max_grad_norm"),
+        ("accumulation_step", "accumulation_steps"),
+        ("normalisation", "normalization"),
+    ],
+)
+def test_a_misspelled_setting_is_refused_not_added(typo, meant):
+    """``opt.max_grad_nrom = 0.5`` would add an attribute nothing reads and leave the gradient unclipped. Other new
+    attributes stay legal: GradScaler sets ``grad_scale`` and ``found_inf`` on optimizers, frameworks set theirs."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, max_grad_norm=1.0)
+    before = {name: getattr(opt, name) for name in ("accumulation_steps", "normalization", "max_grad_norm")}
+    with pytest.raises(AttributeError, match=f"no setting '{typo}': did you mean '{meant}'"):
+        setattr(opt, typo, 0.5)
+    assert typo not in vars(opt)
+    assert {name: getattr(opt, name) for name in before} == before
+    for name in ("grad_scale", "found_inf", "skipped_iter"):
+        setattr(opt, name, 7)
+        assert getattr(opt, name) == 7
+
+
 def test_sparse_gradients_are_refused_by_name():
     embedding = torch.nn.Embedding(10, 3, sparse=True).double()
     opt = GradAccumulator(torch.optim.SGD(embedding.parameters(), lr=0.1), accumulation_steps=2)
