@@ -490,7 +490,7 @@ def run_irregular(rank: int, name: str, interrupted: bool = False) -> list[torch
     return [p.detach().clone() for p in model.parameters()]
 
 
-def run_batchnorm(rank: int, accumulate: str) -> list[torch.Tensor]:
+def run_batchnorm(rank: int, accumulate: str, trace: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """A model with BatchNorm trained for two windows under DDP, by gafused or by plain DDP with ``no_sync()``,
     then one eval forward (where DDP broadcasts rank 0's buffers when due); this rank's running statistics."""
     import gafused
@@ -507,6 +507,8 @@ def run_batchnorm(rank: int, accumulate: str) -> list[torch.Tensor]:
             quiet = ddp.no_sync() if opt is None and micro < N - 1 else contextlib.nullcontext()
             with quiet:
                 loss = ((ddp(x) - torch.cat([y, y])) ** 2).mean()
+                if trace is not None:  # this rank's statistics after each micro-batch's forward
+                    trace.append(model[1].running_mean.clone())
                 if opt is not None:
                     opt.backward(loss)
                     opt.step()
@@ -1225,7 +1227,11 @@ def _rank(rank: int, port: int, out: str) -> None:
         results["irregular interrupted"] = run_irregular(rank, "shared in two reentrant checkpoints", interrupted=True)
     except Exception as error:  # reported by the test, named
         results["irregular interrupted"] = {"error": f"{type(error).__name__}: {error}"}
-    results["batchnorm"] = {accumulate: run_batchnorm(rank, accumulate) for accumulate in ("gafused", "no_sync")}
+    results["batchnorm"], results["batchnorm trace"] = {}, {}
+    for accumulate in ("gafused", "no_sync"):
+        trace: list[torch.Tensor] = []
+        results["batchnorm"][accumulate] = run_batchnorm(rank, accumulate, trace)
+        results["batchnorm trace"][accumulate] = trace
     try:
         results["fsdp fp16 overflow"] = run_fp16_overflow(rank)
     except Exception as error:  # reported by the test, named

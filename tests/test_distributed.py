@@ -276,6 +276,17 @@ def test_module_buffers_are_broadcast_once_per_window_as_under_no_sync(ranks: li
         torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_module_buffers_are_broadcast_at_the_forwards_no_sync_broadcasts_them(ranks: list[dict]) -> None:
+    """Inside a window each rank keeps its own BatchNorm statistics; rank 0's reach the others once per window, at
+    the forward after the window's synchronized backward, as with plain DDP and no_sync(): every rank's statistics
+    after every micro-batch's forward are plain DDP's (a broadcast at every forward would give rank 1 rank 0's)."""
+    for rank in range(cases.WORLD):
+        ours, plain = ranks[rank]["batchnorm trace"]["gafused"], ranks[rank]["batchnorm trace"]["no_sync"]
+        assert len(ours) == len(plain) == 2 * cases.N
+        for micro, (a, b) in enumerate(zip(ours, plain, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, micro-batch {micro}")
+
+
 def test_fsdp_cast_overflow_in_one_shard_skips_the_window_on_every_rank(ranks: list[dict]) -> None:
     """fp16 parameters summed past 65504 in rank 0's shard only: every rank skips that window (its parameters stay
     zero) and steps the next, so the shards stay one model."""
@@ -425,9 +436,9 @@ def test_float16_reduce_dtype_is_refused() -> None:
 
 def test_reduce_dtype_needs_a_model() -> None:
     model = cases.make_model()
-    with pytest.raises(ValueError, match="model="):
+    with pytest.raises(ValueError, match="reduce_dtype is for the buckets of a DDP model: pass model="):
         gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="reduce_dtype"):
+    with pytest.raises(ValueError, match=r"reduce_dtype must be None or one of .*got torch\.int8"):
         gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_dtype=torch.int8)
 
 

@@ -878,12 +878,22 @@ def test_a_gradaccumulator_as_the_optimizer_is_refused(tmp_path: Path) -> None:
 
 
 def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
+    """max_grad_norm given in accumulator_options (TrainingArguments' off) clips every window: the run equals plain
+    Trainer clipping at the same norm (every window clipped, so Trainer's item count, a per-window factor, drops out
+    of the direction)."""
     options = {"max_grad_norm": 0.25, "backend": "reference"}
-    trainer = _trainer(tmp_path, max_grad_norm=0.0, max_steps=2, accumulator_options=options)
+    trainer = _trainer(tmp_path / "gafused", max_grad_norm=0.0, max_steps=2, accumulator_options=options)
     trainer.train()
     assert trainer.accumulator.max_grad_norm == 0.25 and trainer.accumulator.backend == "reference"
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
-    assert min(norms) > 0.25  # every window was clipped, by the accumulator
+    assert len(norms) == 2 and min(norms) > 0.25  # every window is above the threshold
+    plain = _trainer(tmp_path / "plain", transformers.Trainer, max_grad_norm=0.25, max_steps=2)
+    plain.train()
+    start = [p.detach() for p in cases.make_model().parameters()]
+    ours, theirs = list(trainer.model.parameters()), list(plain.model.parameters())
+    moved = sum(float((p - s).square().sum()) for p, s in zip(theirs, start, strict=True))
+    apart = sum(float((p - q).square().sum()) for p, q in zip(ours, theirs, strict=True))
+    assert (apart / moved) ** 0.5 < FP32_ERROR
 
 
 def test_arguments_changed_after_construction_are_the_ones_trained_with(tmp_path: Path) -> None:
