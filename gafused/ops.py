@@ -40,7 +40,7 @@ from types import ModuleType
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from gafused.buffer import PARAM_DTYPES, FlatGradBuffer
+from gafused.buffer import ACCUM_DTYPES, PARAM_DTYPES, FlatGradBuffer
 
 __all__ = [
     "BACKENDS",
@@ -211,6 +211,7 @@ def _fold_op(
     backend: str,
 ) -> None:
     _check_lengths(grads, offsets, numels)
+    _check_op_tensors(acc, grads, numels)
     _backend_for(acc, backend).fold_(acc, _resolved(grads), offsets, numels, weight, first)
 
 
@@ -226,16 +227,60 @@ def _fold_finish_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lengths(grads, offsets, numels)
+    _check_op_tensors(acc, grads, numels)
     return _backend_for(acc, backend).fold_finish_(acc, _resolved(grads), offsets, numels, weight, scale, first)
 
 
 def _check_lengths(grads: list[torch.Tensor | None], offsets: list[int], numels: list[int]) -> None:
-    """What the registered ops check themselves (a backend would read past the end of a shorter list); everything
-    else about the gradients is ``check_grads``' work, which ``gafused.ops``' functions run first."""
+    """What the registered ops check themselves (a backend would read past the end of a shorter list); the tensors
+    are ``_check_op_tensors``' and ``check_grads``' work, which ``gafused.ops``' functions run first."""
     if not len(grads) == len(offsets) == len(numels):
         raise ValueError(
             f"grads, offsets and numels must have one entry per segment, got {len(grads)}, {len(offsets)} and "
             f"{len(numels)}"
+        )
+
+
+def _check_op_tensors(
+    acc: torch.Tensor,
+    grads: Sequence[torch.Tensor | None] = (),
+    numels: Sequence[int] = (),
+    out: torch.Tensor | None = None,
+) -> None:
+    """What the registered ops check of their tensors, called directly: a backend addresses ``acc`` (and ``out``)
+    as one run of memory and reads ``numels[i]`` elements of ``grads[i]`` on ``acc``'s device, so anything else would
+    be written or read out of place. The rest of ``check_grads`` (a gradient that is a view of the buffer, names) is
+    the caller's, as with ``check=False``."""
+    if acc.layout != torch.strided or acc.dim() != 1 or not acc.is_contiguous() or acc.dtype not in ACCUM_DTYPES:
+        strides = acc.stride() if acc.layout == torch.strided else acc.layout
+        raise ValueError(
+            f"acc must be a contiguous 1-D float32 or float64 tensor, got {acc.dtype} of shape {tuple(acc.shape)} "
+            f"and strides {strides}"
+        )
+    for index, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
+        if grad is None:
+            continue
+        if grad.layout != torch.strided or grad.dtype not in GRAD_DTYPES or grad.device != acc.device:
+            raise ValueError(
+                f"grads[{index}] must be a dense float16, bfloat16, float32 or float64 tensor on {acc.device}, got "
+                f"{grad.layout} {grad.dtype} on {grad.device}"
+            )
+        if grad.numel() != numel:
+            raise ValueError(f"grads[{index}] must have numels[{index}] = {numel} elements, got {grad.numel()}")
+    if out is None:
+        return
+    if (
+        out.layout != torch.strided
+        or out.dim() != 1
+        or not out.is_contiguous()
+        or out.numel() != acc.numel()
+        or out.dtype not in GRAD_DTYPES
+        or out.device != acc.device
+        or out.data_ptr() % out.element_size()
+    ):
+        raise ValueError(
+            f"out must be a contiguous 1-D float16, bfloat16, float32 or float64 tensor of {acc.numel()} elements on "
+            f"{acc.device}, aligned to its element size; got {out.dtype} of shape {tuple(out.shape)} on {out.device}"
         )
 
 
@@ -254,6 +299,7 @@ def _(acc, grads, offsets, numels, weight, scale, first, backend):
 def _sum_of_squares_op(
     acc: torch.Tensor, offsets: list[int], numels: list[int], per_segment: bool, backend: str
 ) -> torch.Tensor:
+    _check_op_tensors(acc)
     return _backend_for(acc, backend).sum_of_squares(acc, offsets, numels, per_segment)
 
 
@@ -271,6 +317,7 @@ def _scale_op(
     out: torch.Tensor | None,
     backend: str,
 ) -> None:
+    _check_op_tensors(acc, out=out)
     _backend_for(acc, backend).scale_(acc, offsets, numels, coef, out)
 
 

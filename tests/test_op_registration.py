@@ -96,17 +96,18 @@ def test_every_eager_write_is_seen_by_autograd(backend):
 
 
 OVERLAPPING = {
-    "overlap": ([0, 10], [16, 8]),
-    "out of order": ([32, 0], [8, 8]),
-    "past the end": ([0, 60], [8, 8]),
-    "negative": ([0, -4], [8, 8]),
+    "overlap": ([0, 10], [16, 8], "ordered and non-overlapping"),
+    "out of order": ([32, 0], [8, 8], "ordered and non-overlapping"),
+    "past the end": ([0, 60], [8, 8], "outside acc"),
+    "negative offset": ([0, -4], [8, 8], r"negative offset or numel \(-4, 8\)"),
+    "negative numel": ([0, 16], [8, -4], r"negative offset or numel \(16, -4\)"),
 }
 
 
-@pytest.mark.parametrize("offsets, numels", OVERLAPPING.values(), ids=OVERLAPPING.keys())
-def test_every_backend_refuses_a_layout_of_overlapping_or_outside_segments(backend, offsets, numels):
+@pytest.mark.parametrize("offsets, numels, refusal", OVERLAPPING.values(), ids=OVERLAPPING.keys())
+def test_every_backend_refuses_a_layout_of_overlapping_or_outside_segments(backend, offsets, numels, refusal):
     """``FlatGradBuffer`` never builds such layouts; called directly, no backend folds them (two blocks of a GPU
-    launch would race on an overlap) and a refused call writes nothing."""
+    launch would race on an overlap) and a refused call writes nothing. Each layout is refused for its own fault."""
     module = ops._backend_for(torch.zeros(1), backend)
     acc = torch.randn(64)
     before = acc.clone()
@@ -119,6 +120,66 @@ def test_every_backend_refuses_a_layout_of_overlapping_or_outside_segments(backe
         "scale_": lambda: module.scale_(acc, offsets, numels, weight, None),
     }
     for name, call in calls.items():
-        with pytest.raises(ValueError, match=r"segment 1 .*(ordered and non-overlapping|outside acc|negative)"):
+        with pytest.raises(ValueError, match=rf"segment 1 .*{refusal}"):
             call()
         assert torch.equal(acc, before), name
+
+
+def _odd_float32(numel: int) -> torch.Tensor:
+    """A contiguous float32 tensor whose memory starts one byte into its storage (GPU kernels fault on it)."""
+    storage = torch.zeros(4 * numel + 1, dtype=torch.uint8).untyped_storage()
+    return torch.empty(0).set_(storage[1:], 0, (numel,), (1,))
+
+
+def test_called_directly_every_op_refuses_tensors_its_backend_would_address_out_of_place(backend):
+    """``torch.ops.gafused.*`` called directly skip ``check_grads`` (the caller vouches for the gradients, as with
+    ``check=False``), but a backend reads ``numels[i]`` elements of ``grads[i]`` from its first address and writes
+    ``acc`` (and ``out``) as one run of memory: a shorter gradient would be read past its end, a strided ``acc``
+    written where its elements are not. Each is refused, by name, before anything is written."""
+    grads, offsets, numels = [torch.ones(8), torch.ones(4)], [0, 8], [8, 4]
+    weight, scale = torch.tensor(0.5), torch.tensor(2.0)
+
+    def calls(acc, grads=grads, out=None):
+        return {
+            "fold_": lambda: ops._fold_op(acc, grads, offsets, numels, weight, False, backend),
+            "fold_finish_": lambda: ops._fold_finish_op(acc, grads, offsets, numels, weight, scale, False, backend),
+            "sum_of_squares": lambda: ops._sum_of_squares_op(acc, offsets, numels, False, backend),
+            "scale_": lambda: ops._scale_op(acc, offsets, numels, scale, out, backend),
+        }
+
+    storage = torch.randn(24)
+    cases = {  # what each op is given -> the refusal, and the memory that must stay as it was
+        "strided acc": (calls(storage[::2]), r"acc must be a contiguous 1-D .* strides \(2,\)"),
+        "2-D acc": (calls(storage[:12].view(3, 4)), r"acc must be a contiguous 1-D .* shape \(3, 4\)"),
+        "float16 acc": (calls(torch.zeros(12, dtype=torch.float16)), r"acc must be .* got torch\.float16"),
+    }
+    acc = storage[:12]
+    bad_grads = {
+        "short gradient": ([torch.ones(8), torch.ones(3)], r"grads\[1\] must have numels\[1\] = 4 elements, got 3"),
+        "long gradient": ([torch.ones(9), torch.ones(4)], r"grads\[0\] must have numels\[0\] = 8 elements, got 9"),
+        "int gradient": ([torch.ones(8, dtype=torch.int32), None], r"grads\[0\] must be a dense .* got .*int32"),
+    }
+    for name, (given, refusal) in bad_grads.items():
+        everything = calls(acc, given)
+        cases[name] = ({op: everything[op] for op in ("fold_", "fold_finish_")}, refusal)
+    bad_outs = {
+        "strided out": (torch.zeros(24)[::2], r"out must be a contiguous 1-D .* got .* shape \(12,\)"),
+        "short out": (torch.zeros(11), r"out must be .* of 12 elements .* shape \(11,\)"),
+        "float8 out": (torch.zeros(12, dtype=torch.float8_e4m3fn), r"out must be .* got torch\.float8_e4m3fn"),
+        "out cut at an odd byte": (_odd_float32(12), r"out must be .* aligned to its element size"),
+    }
+    for name, (out, refusal) in bad_outs.items():
+        cases[name] = ({"scale_": calls(acc, out=out)["scale_"]}, refusal)
+    before = storage.clone()
+    for case, (ops_called, refusal) in cases.items():
+        for op, call in ops_called.items():
+            with pytest.raises(ValueError, match=refusal):
+                call()
+            assert torch.equal(storage, before), f"{case}: {op} wrote before refusing"
+    # A gradient on another device (a CUDA one would be read at an address of the wrong device); a meta tensor
+    # stands for it here, checked by the function each op calls (the dispatcher sends a call holding a meta tensor
+    # to the ops' fake implementations).
+    with pytest.raises(ValueError, match=r"grads\[1\] must be .* on cpu, got .* meta"):
+        ops._check_op_tensors(acc, [None, torch.ones(4, device="meta")], numels)
+    for out, _ in bad_outs.values():  # (the odd view's storage starts zero, as every other out does)
+        assert not out.view(torch.uint8).any() if out.dtype.itemsize == 1 else not out.any()
