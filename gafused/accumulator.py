@@ -365,6 +365,8 @@ class GradAccumulator(torch.optim.Optimizer):
             (g, b) for g, group in enumerate(self._groups) for b in range(len(group.buffer.bucket_ranges))
         ]
         self._reducing = False  # folding the last micro-batch of a window whose buckets gafused reduces
+        # The p.grad set holds gradients the GradScaler unscaled (a refused step): no step() until they are released.
+        self._unscaled_grads = False
         self._ready: set[tuple[int, int]] = set()
         self._pending: dict[tuple[int, int], Any] = {}
         # Gradients that reached a bucket after its reduction had started (see _fold_late), per bucket.
@@ -735,6 +737,11 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         ops.check_bool(end_window, "end_window")
         _check_loss(loss)
+        if self._unscaled_grads:
+            raise RuntimeError(
+                "backward(): p.grad holds gradients the grad_scaler unscaled (a step() was refused for it), to which "
+                "autograd would add this loss's; drop them with opt.zero_grad() first"
+            )
         self._check_param_set(identity=self._micro is None and self._micro_step == 0)
         micro = self._micro
         if micro is None:
@@ -911,7 +918,9 @@ class GradAccumulator(torch.optim.Optimizer):
     def _check_not_unscaled(self) -> None:
         """Refuse a step the GradScaler unscaled the gradients for (``scaler.step(opt)`` or ``scaler.unscale_(opt)``:
         the AMP recipe around a plain optimizer): the accumulator divides by the scale itself, so the gradients
-        would be divided twice. The scaler's record of it is dropped, so the corrected loop's next step() goes on."""
+        would be divided twice. The scaler's record of it is dropped (the scaler goes on with the next window); where
+        the unscaled gradients are still in ``p.grad`` (not folded yet), every step() is refused until they are
+        released (``zero_grad()``), since the same call again would fold them."""
         scaler = self._grad_scaler
         if scaler is None:
             return
@@ -919,20 +928,23 @@ class GradAccumulator(torch.optim.Optimizer):
         # (_claim_grad_scaler), and a wrapper standing for it (Lightning's, from self.optimizers()) has another id.
         states = scaler._per_optimizer_states
         unscaled = [key for key, state in states.items() if state.get("stage") is not OptState.READY]
-        if not unscaled:
+        if not unscaled and not self._unscaled_grads:
             return
         for key in unscaled:
             del states[key]
-        remedy = (
-            "backward() already folded this micro-batch's gradients, unscaled once, so call opt.step() again"
-            if self._micro is not None
-            else "drop this micro-batch's unscaled gradients with opt.zero_grad()"
-        )
+        if self._micro is not None:
+            remedy = "backward() already folded this micro-batch's gradients, unscaled once, so call opt.step() again"
+        else:
+            self._unscaled_grads = True
+            remedy = (
+                "First drop this micro-batch's unscaled gradients with opt.zero_grad() (step() is refused until then: "
+                "it would fold them) and run its backward again"
+            )
         raise RuntimeError(
             "step(): the grad_scaler unscaled this optimizer's gradients (scaler.step(opt) or "
             "scaler.unscale_(opt)); with grad_scaler= the accumulator unscales and updates the scaler itself, so "
-            "the gradients would be divided by the scale twice. Call opt.step() and nothing of the scaler but "
-            f"scaler.scale(loss) (or opt.backward(loss), which scales it); {remedy}"
+            f"the gradients would be divided by the scale twice. {remedy}. Call opt.step() and nothing of the scaler "
+            "but scaler.scale(loss) (or opt.backward(loss), which scales it)"
         )
 
     def _init_inner_state_for_dcp(self) -> None:
@@ -1199,6 +1211,7 @@ class GradAccumulator(torch.optim.Optimizer):
         return held is not None and held != self._unreduced_seen
 
     def _release_grads(self) -> None:
+        self._unscaled_grads = False
         self._release_published()
         for group in self._groups:
             for param in group.params:

@@ -2057,6 +2057,36 @@ def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
     _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
 
 
+@pytest.mark.parametrize("habit", ["scaler.unscale_(opt)", "scaler.step(opt)"])
+def test_the_unscaled_gradients_of_a_refused_step_are_never_folded(habit):
+    """The refusal leaves the unscaled gradients in p.grad: the same step() again (a notebook cell rerun, a retry
+    after reading only the first sentence) would fold them and divide them by the scale a second time (the window's
+    gradient 1/scale of the truth); a backward() would add the next loss's gradients to them. Both are refused,
+    changing nothing, until zero_grad() drops them; then the loop goes on to the float64 result."""
+    model, reference = _model(), _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    batches = _data([3, 4, 2])
+    scaler.scale(_loss(model, *batches[0])).backward()
+    with pytest.raises(RuntimeError, match=r"First drop this micro-batch's unscaled gradients with opt.zero_grad\(\)"):
+        if habit == "scaler.step(opt)":
+            scaler.step(opt)
+        else:
+            scaler.unscale_(opt)
+            opt.step(weight=3)
+    unscaled = [p.grad.clone() for p in model.parameters()]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"step\(\): the grad_scaler unscaled .* refused until then"):
+            opt.step(weight=3)
+        with pytest.raises(RuntimeError, match=r"backward\(\): p.grad holds gradients the grad_scaler unscaled"):
+            opt.backward(_loss(model, *batches[0]), weight=3)
+        assert opt.micro_step == 0 and all(
+            torch.equal(p.grad, g) for p, g in zip(model.parameters(), unscaled, strict=True)
+        )
+    opt.zero_grad()
+    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
+
+
 @pytest.mark.parametrize("mistake", ["step() twice", "step(end_window=True) for flush()"])
 def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
     """A step() with no backward since the last one would end an empty micro-batch of weight 1: the window's mean
