@@ -30,7 +30,6 @@ recompile for, every micro-step).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import itertools
 import math
@@ -127,6 +126,18 @@ def _real_number(value: Any) -> float | None:
         return float(value)
     except OverflowError:
         return math.inf
+
+
+def _edits(a: str, b: str) -> int:
+    """How many single-letter insertions, deletions, substitutions or swaps of neighbours turn ``a`` into ``b``."""
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, previous, row = previous, row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(previous[j] + 1, row[j - 1] + 1, previous[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], before[j - 2] + 1)
+    return row[-1]
 
 
 def _check_accumulation_steps(value: Any) -> int | None:
@@ -365,8 +376,9 @@ class GradAccumulator(torch.optim.Optimizer):
             (g, b) for g, group in enumerate(self._groups) for b in range(len(group.buffer.bucket_ranges))
         ]
         self._reducing = False  # folding the last micro-batch of a window whose buckets gafused reduces
-        # The p.grad set holds gradients the GradScaler unscaled (a refused step): no step() until they are released.
-        self._unscaled_grads = False
+        # Gradients the GradScaler unscaled in p.grad (a refused step()), by parameter, held weakly: while any is
+        # still a p.grad, no step() or backward() may fold it.
+        self._unscaled_grads: list[tuple[torch.Tensor, weakref.ref]] = []
         self._ready: set[tuple[int, int]] = set()
         self._pending: dict[tuple[int, int], Any] = {}
         # Gradients that reached a bucket after its reduction had started (see _fold_late), per bucket.
@@ -530,7 +542,7 @@ class GradAccumulator(torch.optim.Optimizer):
         # A new public attribute is legal (GradScaler sets optimizer.grad_scale), but one a letter or two from a
         # setting is a typo that would leave the setting as it was: opt.max_grad_nrom = 0.5 would never clip.
         if name[:1] != "_" and name not in self.__dict__ and not hasattr(type(self), name):
-            meant = difflib.get_close_matches(name, _SETTINGS, n=1, cutoff=0.8)
+            meant = [setting for setting in _SETTINGS if _edits(name, setting) <= 2]
             if meant:
                 raise AttributeError(
                     f"GradAccumulator has no setting {name!r}: did you mean {meant[0]!r}? (the settings are "
@@ -737,7 +749,7 @@ class GradAccumulator(torch.optim.Optimizer):
         """
         ops.check_bool(end_window, "end_window")
         _check_loss(loss)
-        if self._unscaled_grads:
+        if self._unscaled_grads and self._holds_unscaled_grads():
             raise RuntimeError(
                 "backward(): p.grad holds gradients the grad_scaler unscaled (a step() was refused for it), to which "
                 "autograd would add this loss's; drop them with opt.zero_grad() first"
@@ -928,14 +940,16 @@ class GradAccumulator(torch.optim.Optimizer):
         # (_claim_grad_scaler), and a wrapper standing for it (Lightning's, from self.optimizers()) has another id.
         states = scaler._per_optimizer_states
         unscaled = [key for key, state in states.items() if state.get("stage") is not OptState.READY]
-        if not unscaled and not self._unscaled_grads:
+        if not unscaled and not self._holds_unscaled_grads():
             return
         for key in unscaled:
             del states[key]
         if self._micro is not None:
             remedy = "backward() already folded this micro-batch's gradients, unscaled once, so call opt.step() again"
         else:
-            self._unscaled_grads = True
+            self._unscaled_grads = [
+                (param, weakref.ref(param.grad)) for param in self._managed if param.grad is not None
+            ]
             remedy = (
                 "First drop this micro-batch's unscaled gradients with opt.zero_grad() (step() is refused until then: "
                 "it would fold them) and run its backward again"
@@ -946,6 +960,15 @@ class GradAccumulator(torch.optim.Optimizer):
             f"the gradients would be divided by the scale twice. {remedy}. Call opt.step() and nothing of the scaler "
             "but scaler.scale(loss) (or opt.backward(loss), which scales it)"
         )
+
+    def _holds_unscaled_grads(self) -> bool:
+        """Whether a gradient a refused step() left unscaled is still a ``p.grad``: released by ``zero_grad()``, or
+        replaced some other way (``model.zero_grad()`` and a new backward), none can be folded any more. (Zeroed in
+        place, ``model.zero_grad(set_to_none=False)``, it is the same tensor and still refused.)"""
+        held = self._unscaled_grads
+        if held and not any(grad() is not None and param.grad is grad() for param, grad in held):
+            self._unscaled_grads = []
+        return bool(self._unscaled_grads)
 
     def _init_inner_state_for_dcp(self) -> None:
         """torch.distributed.checkpoint (``get_state_dict``, ``set_state_dict``, ...) creates an optimizer's state by
@@ -1086,7 +1109,11 @@ class GradAccumulator(torch.optim.Optimizer):
         if unfolded:
             refusal = RuntimeError(
                 f"flush(): {len(unfolded)} parameter(s) hold gradients not folded by step(), e.g. {unfolded[0]}; "
-                "call step() to include them or zero_grad() to drop them first"
+                + (
+                    "the grad_scaler unscaled them (a step() was refused for it): drop them with zero_grad() first"
+                    if self._holds_unscaled_grads()
+                    else "call step() to include them or zero_grad() to drop them first"
+                )
             )
         if self._global:
             if refusal is None and self._micro_step > 0 and self._sync.holds_unreduced():
@@ -1211,7 +1238,7 @@ class GradAccumulator(torch.optim.Optimizer):
         return held is not None and held != self._unreduced_seen
 
     def _release_grads(self) -> None:
-        self._unscaled_grads = False
+        self._unscaled_grads = []
         self._release_published()
         for group in self._groups:
             for param in group.params:
@@ -2187,6 +2214,7 @@ class GradAccumulator(torch.optim.Optimizer):
         for group in self._groups:
             for param in group.params:
                 param.grad = None
+        self._unscaled_grads = []
         self._micro = None
         self._micro_step = micro_step
         self._skipped_steps = window["skipped_steps"]

@@ -257,6 +257,11 @@ def _check_op_tensors(
             f"acc must be a contiguous 1-D float32 or float64 tensor, got {acc.dtype} of shape {tuple(acc.shape)} "
             f"and strides {strides}"
         )
+    if acc.data_ptr() % acc.element_size():
+        raise ValueError(
+            f"acc must start at a multiple of its {acc.element_size()}-byte element size, got a view of storage cut "
+            "at an odd byte"
+        )
     for index, (grad, numel) in enumerate(zip(grads, numels, strict=True)):
         if grad is None:
             continue

@@ -1040,6 +1040,19 @@ def test_a_misspelled_setting_is_refused_not_added(typo, meant):
         assert getattr(opt, name) == 7
 
 
+@pytest.mark.parametrize(
+    "name", ["last_grad_norm", "max_norm", "accum_steps", "normalize", "clip_grad_norm", "gradient_accumulation_steps"]
+)
+def test_a_new_attribute_more_than_two_edits_from_every_setting_is_set(name):
+    """A name of the user's own (bookkeeping such as ``last_grad_norm``, three edits from ``max_grad_norm``) is no
+    typo of a setting: set as on any object, the settings unchanged."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    setattr(opt, name, 7)
+    assert vars(opt)[name] == 7
+    assert (opt.accumulation_steps, opt.normalization, opt.max_grad_norm) == (2, "mean", None)
+
+
 def test_sparse_gradients_are_refused_by_name():
     embedding = torch.nn.Embedding(10, 3, sparse=True).double()
     opt = GradAccumulator(torch.optim.SGD(embedding.parameters(), lr=0.1), accumulation_steps=2)
@@ -2084,6 +2097,30 @@ def test_the_unscaled_gradients_of_a_refused_step_are_never_folded(habit):
             torch.equal(p.grad, g) for p, g in zip(model.parameters(), unscaled, strict=True)
         )
     opt.zero_grad()
+    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
+
+
+@pytest.mark.parametrize("released_by", ["model.zero_grad()", "load_state_dict()"])
+def test_unscaled_gradients_released_another_way_end_the_refusal(released_by):
+    """The refusal lasts while the unscaled gradients can be folded: once every p.grad is gone (the model's
+    zero_grad(), or a checkpoint loaded, which releases unfolded gradients) the next micro-batch goes on. Until then
+    flush() says to drop them (its usual advice, to include them with step(), is what is refused)."""
+    model, reference = _model(), _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    saved = opt.state_dict()
+    batches = _data([3, 4, 2])
+    scaler.scale(_loss(model, *batches[0])).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="First drop this micro-batch's unscaled gradients"):
+        opt.step(weight=3)
+    with pytest.raises(RuntimeError, match=r"the grad_scaler unscaled them .* drop them with zero_grad\(\) first"):
+        opt.flush()
+    if released_by == "model.zero_grad()":
+        model.zero_grad()
+    else:
+        opt.load_state_dict(saved)
+    assert all(p.grad is None for p in model.parameters())
     _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
 
 

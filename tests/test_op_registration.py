@@ -152,12 +152,14 @@ def test_called_directly_every_op_refuses_tensors_its_backend_would_address_out_
         "strided acc": (calls(storage[::2]), r"acc must be a contiguous 1-D .* strides \(2,\)"),
         "2-D acc": (calls(storage[:12].view(3, 4)), r"acc must be a contiguous 1-D .* shape \(3, 4\)"),
         "float16 acc": (calls(torch.zeros(12, dtype=torch.float16)), r"acc must be .* got torch\.float16"),
+        "acc cut at an odd byte": (calls(_odd_float32(12)), r"acc must start at a multiple of its 4-byte element size"),
     }
     acc = storage[:12]
     bad_grads = {
         "short gradient": ([torch.ones(8), torch.ones(3)], r"grads\[1\] must have numels\[1\] = 4 elements, got 3"),
         "long gradient": ([torch.ones(9), torch.ones(4)], r"grads\[0\] must have numels\[0\] = 8 elements, got 9"),
         "int gradient": ([torch.ones(8, dtype=torch.int32), None], r"grads\[0\] must be a dense .* got .*int32"),
+        "sparse gradient": ([torch.ones(8).to_sparse(), None], r"grads\[0\] must be a dense .* got torch\.sparse_coo"),
     }
     for name, (given, refusal) in bad_grads.items():
         everything = calls(acc, given)
@@ -165,6 +167,7 @@ def test_called_directly_every_op_refuses_tensors_its_backend_would_address_out_
     bad_outs = {
         "strided out": (torch.zeros(24)[::2], r"out must be a contiguous 1-D .* got .* shape \(12,\)"),
         "short out": (torch.zeros(11), r"out must be .* of 12 elements .* shape \(11,\)"),
+        "2-D out": (torch.zeros(3, 4), r"out must be a contiguous 1-D .* shape \(3, 4\)"),
         "float8 out": (torch.zeros(12, dtype=torch.float8_e4m3fn), r"out must be .* got torch\.float8_e4m3fn"),
         "out cut at an odd byte": (_odd_float32(12), r"out must be .* aligned to its element size"),
     }
@@ -181,5 +184,7 @@ def test_called_directly_every_op_refuses_tensors_its_backend_would_address_out_
     # to the ops' fake implementations).
     with pytest.raises(ValueError, match=r"grads\[1\] must be .* on cpu, got .* meta"):
         ops._check_op_tensors(acc, [None, torch.ones(4, device="meta")], numels)
+    with pytest.raises(ValueError, match=r"out must be .* on cpu.* got torch\.float32 of shape \(12,\) on meta"):
+        ops._check_op_tensors(acc, out=torch.zeros(12, device="meta"))
     for out, _ in bad_outs.values():  # (the odd view's storage starts zero, as every other out does)
         assert not out.view(torch.uint8).any() if out.dtype.itemsize == 1 else not out.any()
