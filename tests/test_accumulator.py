@@ -919,10 +919,13 @@ def _assert_same_state(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64], ids=str)
-def test_a_weight_tensor_changed_in_place_later_keeps_the_value_it_had(backend, loop, dtype):
-    """A reused token counter: the weight is the tensor's value when given, whatever the tensor holds later (a
-    float64 tensor on the buffer's device would otherwise be kept by reference)."""
+def test_a_weight_tensor_changed_in_place_later_keeps_the_value_it_had(backend, loop, dtype, path, monkeypatch):
+    """A reused token counter: the weight is the tensor's value when given, whatever the tensor holds later. On the
+    device path (forced here on CPU) a float64 tensor on the buffer's device would otherwise be kept by reference."""
+    if path == "device":
+        monkeypatch.setattr(gafused.accumulator, "_checked_on_host", lambda device: False)
     param = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
     opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), accumulation_steps=2, backend=backend)
     counter = torch.zeros((), dtype=dtype)

@@ -140,13 +140,21 @@ def _buffer_and_grads():
     return buffer, [torch.randn(p.shape) for p in params]
 
 
-def test_eager_calls_skip_the_custom_op(monkeypatch):
+def test_eager_calls_skip_every_custom_op(monkeypatch):
+    """Each public op called on plain tensors runs its backend directly: none goes through its registered op (a
+    dispatcher round trip per gradient)."""
     buffer, grads = _buffer_and_grads()
     called = []
-    monkeypatch.setattr(ops, "_fold_op", lambda *args: called.append(args))
+    for name in ("_fold_op", "_fold_finish_op", "_sum_of_squares_op", "_scale_op"):
+        monkeypatch.setattr(ops, name, lambda *args, name=name: called.append(name))
     ops.fold_(buffer, grads, 1.0, first=True, backend="foreach")
-    assert not called
-    torch.testing.assert_close(buffer.view(0), grads[0], rtol=0, atol=0)
+    total, _ = ops.fold_finish_(buffer, grads, 1.0, 0.5, first=False, backend="foreach")  # (g + g) / 2 = g
+    per_segment = ops.sum_of_squares(buffer, per_segment=True, backend="foreach")
+    ops.scale_(buffer, 2.0, backend="foreach")
+    assert called == []
+    assert isinstance(total, torch.Tensor) and per_segment.shape == (2,)
+    for index, grad in enumerate(grads):
+        assert torch.equal(buffer.view(index), grad * 2.0)  # every step exact in float32
 
 
 def test_tracing_goes_through_the_custom_op(monkeypatch):

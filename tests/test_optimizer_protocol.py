@@ -271,13 +271,16 @@ def test_state_dict_hooks_run_around_the_whole_dict():
     seen = []
     opt.register_state_dict_pre_hook(lambda optimizer: seen.append("save-pre"))
     opt.register_state_dict_post_hook(lambda optimizer, state: {**state, "extra": 1})
-    opt.register_load_state_dict_pre_hook(
-        lambda optimizer, state: {**state, "gafused": {**state["gafused"], "skipped_steps": state["extra"]}}
-    )
+
+    def load_pre_hook(optimizer, state):  # edits the dict it is given in place, returning None
+        state["gafused"] = {**state["gafused"], "skipped_steps": state["extra"]}
+
+    opt.register_load_state_dict_pre_hook(load_pre_hook)
     opt.register_load_state_dict_post_hook(lambda optimizer: seen.append("load-post"))
     state = opt.state_dict()
+    window = state["gafused"]
     assert state["extra"] == 1 and set(state) == {"state", "param_groups", "gafused", "extra"}
     opt.load_state_dict(state)
     assert opt.skipped_steps == 1  # what the pre-hook made of the dict was loaded
-    assert state["gafused"]["skipped_steps"] == 0  # the caller's dict is not changed
+    assert state["gafused"] is window and window["skipped_steps"] == 0  # the caller's dict is not changed
     assert seen == ["save-pre", "load-post"]
