@@ -286,7 +286,7 @@ def test_normalization_cannot_change_once_a_backward_opened_the_window():
     param = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
     opt = GradAccumulator(torch.optim.SGD([param], lr=1.0), 1, backend="reference")
     opt.backward((param * torch.tensor([1.0, 2.0], dtype=torch.float64)).sum(), weight=4)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="normalization: the open window is accumulated to be finished as 'mean'"):
         opt.normalization = "sum"
     assert opt.normalization == "mean"
     opt.step()

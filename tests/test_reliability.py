@@ -383,7 +383,7 @@ def test_backward_that_fails_before_any_fold_changes_nothing(backend):
     opt.backward(_loss(model, _batches(1)[0]), weight=2)
     opt.step()
     before = opt.buffers[0].data.clone()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         opt.backward(_spent(model(_batches(1)[0])))  # autograd refuses before any hook runs
     assert opt.micro_step == 1 and torch.equal(opt.buffers[0].data, before)
     opt.backward(_loss(model, _batches(1)[0]), weight=5)  # a new micro-batch with its own weight
