@@ -2057,20 +2057,26 @@ def _goes_on_after_the_refusal(opt, scaler, model, reference, batches):
     torch.testing.assert_close(opt.grad_norm, norm, rtol=1e-12, atol=0)
 
 
-def test_a_step_after_the_scaler_unscaled_the_gradients_is_refused():
-    """The AMP recipe kept around the accumulator (scaler.step(opt); scaler.update()): scaler.step unscales p.grad,
-    then calls opt.step(), which would divide by the scale again (a step 1/scale too small, silently). Refused; the
-    corrected loop goes on."""
+def _refused_after_unscaling(habit):
+    """The AMP recipe kept around the accumulator in the loss.backward() loop: ``scaler.step(opt)`` (or
+    ``scaler.unscale_(opt); opt.step()``) unscales p.grad, then the step would divide by the scale again (a step
+    1/scale too small, silently): refused. The model, its float64 twin, scaler, accumulator, its state_dict from
+    before, and the two batches left."""
     model, reference = _model(), _model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
+    saved = opt.state_dict()
     batches = _data([3, 4, 2])
     scaler.scale(_loss(model, *batches[0])).backward()
-    with pytest.raises(RuntimeError, match=r"unscaled this optimizer's gradients \(scaler.step\(opt\)"):
-        scaler.step(opt)
+    refusal = r"unscaled this optimizer's gradients \(scaler.step\(opt\) .* First drop this micro-batch's unscaled"
+    with pytest.raises(RuntimeError, match=refusal):
+        if habit == "scaler.step(opt)":
+            scaler.step(opt)
+        else:
+            scaler.unscale_(opt)
+            opt.step(weight=3)
     assert opt.micro_step == 0
-    opt.zero_grad()
-    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
+    return model, reference, scaler, opt, saved, batches[1:]
 
 
 @pytest.mark.parametrize("habit", ["scaler.unscale_(opt)", "scaler.step(opt)"])
@@ -2078,29 +2084,18 @@ def test_the_unscaled_gradients_of_a_refused_step_are_never_folded(habit):
     """The refusal leaves the unscaled gradients in p.grad: the same step() again (a notebook cell rerun, a retry
     after reading only the first sentence) would fold them and divide them by the scale a second time (the window's
     gradient 1/scale of the truth); a backward() would add the next loss's gradients to them. Both are refused,
-    changing nothing, until zero_grad() drops them; then the loop goes on to the float64 result."""
-    model, reference = _model(), _model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
-    batches = _data([3, 4, 2])
-    scaler.scale(_loss(model, *batches[0])).backward()
-    with pytest.raises(RuntimeError, match=r"First drop this micro-batch's unscaled gradients with opt.zero_grad\(\)"):
-        if habit == "scaler.step(opt)":
-            scaler.step(opt)
-        else:
-            scaler.unscale_(opt)
-            opt.step(weight=3)
+    changing nothing, until zero_grad() drops them; then the corrected loop goes on to the float64 result."""
+    model, reference, scaler, opt, _, batches = _refused_after_unscaling(habit)
     unscaled = [p.grad.clone() for p in model.parameters()]
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"step\(\): the grad_scaler unscaled .* refused until then"):
             opt.step(weight=3)
         with pytest.raises(RuntimeError, match=r"backward\(\): p.grad holds gradients the grad_scaler unscaled"):
             opt.backward(_loss(model, *batches[0]), weight=3)
-        assert opt.micro_step == 0 and all(
-            torch.equal(p.grad, g) for p, g in zip(model.parameters(), unscaled, strict=True)
-        )
+        assert opt.micro_step == 0
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), unscaled, strict=True))
     opt.zero_grad()
-    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
+    _goes_on_after_the_refusal(opt, scaler, model, reference, batches)
 
 
 @pytest.mark.parametrize("released_by", ["model.zero_grad()", "load_state_dict()"])
@@ -2108,15 +2103,7 @@ def test_unscaled_gradients_released_another_way_end_the_refusal(released_by):
     """The refusal lasts while the unscaled gradients can be folded: once every p.grad is gone (the model's
     zero_grad(), or a checkpoint loaded, which releases unfolded gradients) the next micro-batch goes on. Until then
     flush() says to drop them (its usual advice, to include them with step(), is what is refused)."""
-    model, reference = _model(), _model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, grad_scaler=scaler)
-    saved = opt.state_dict()
-    batches = _data([3, 4, 2])
-    scaler.scale(_loss(model, *batches[0])).backward()
-    scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="First drop this micro-batch's unscaled gradients"):
-        opt.step(weight=3)
+    model, reference, scaler, opt, saved, batches = _refused_after_unscaling("scaler.unscale_(opt)")
     with pytest.raises(RuntimeError, match=r"the grad_scaler unscaled them .* drop them with zero_grad\(\) first"):
         opt.flush()
     if released_by == "model.zero_grad()":
@@ -2124,7 +2111,7 @@ def test_unscaled_gradients_released_another_way_end_the_refusal(released_by):
     else:
         opt.load_state_dict(saved)
     assert all(p.grad is None for p in model.parameters())
-    _goes_on_after_the_refusal(opt, scaler, model, reference, batches[1:])
+    _goes_on_after_the_refusal(opt, scaler, model, reference, batches)
 
 
 @pytest.mark.parametrize("mistake", ["step() twice", "step(end_window=True) for flush()"])
