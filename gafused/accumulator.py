@@ -539,7 +539,7 @@ class GradAccumulator(torch.optim.Optimizer):
     # --- public attributes ------------------------------------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # A new public attribute is legal (GradScaler sets optimizer.grad_scale), but one a letter or two from a
+        # A new public attribute is legal (GradScaler sets optimizer.grad_scale), but one at most two edits from a
         # setting is a typo that would leave the setting as it was: opt.max_grad_nrom = 0.5 would never clip.
         if name[:1] != "_" and name not in self.__dict__ and not hasattr(type(self), name):
             meant = [setting for setting in _SETTINGS if _edits(name, setting) <= 2]
