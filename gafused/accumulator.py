@@ -422,7 +422,11 @@ class GradAccumulator(torch.optim.Optimizer):
                     if forwarded and name not in vars(wrapper) and name not in vars(cls):
                         setattr(cls, name, _OnTheWrapped(name))
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # At interpreter exit there is nothing to undo, and this module's globals may be None already (an
+        # accumulator in a reference cycle is collected after the modules are torn down).
+        if _finalizing():
+            return
         # What this object built, read from its own attributes: a wrapper whose class subclasses this one and
         # forwards attribute reads to an accumulator (Lightning's LightningOptimizer) must not tear that one down.
         state = vars(self)

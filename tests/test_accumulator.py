@@ -8,6 +8,9 @@ import gc
 import io
 import math
 import re
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -291,6 +294,28 @@ def test_normalization_cannot_change_once_a_backward_opened_the_window():
     assert opt.normalization == "mean"
     opt.step()
     assert torch.equal(param.detach(), torch.tensor([-1.0, -2.0], dtype=torch.float64))  # the mean: 4 * g / 4
+
+
+def test_an_accumulator_alive_at_interpreter_exit_leaves_quietly():
+    """An accumulator still alive when Python exits, collected after gafused's module globals are gone (windows whose
+    weights stay device tensors, as on a GPU, form reference cycles): its __del__ raised TypeError there, which
+    Python printed as "Exception ignored in: GradAccumulator.__del__" at the end of the user's script."""
+    script = textwrap.dedent(
+        """
+        import torch, gafused, gafused.accumulator as accumulator
+        accumulator._checked_on_host = lambda device: False  # the device path a GPU takes
+        for backend in ("reference", "foreach"):
+            param = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+            opt = gafused.GradAccumulator(torch.optim.SGD([param], lr=1.0), 2, backend=backend)
+            for count in (torch.tensor(1.0, requires_grad=True) * 1, torch.tensor(3.0)):
+                opt.backward(param * 2.0, weight=count)
+                opt.step()
+        print("trained", float(param.detach()))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "trained -2.0", done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_a_collected_accumulator_takes_its_finished_gradients_with_it():
