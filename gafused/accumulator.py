@@ -423,8 +423,8 @@ class GradAccumulator(torch.optim.Optimizer):
                         setattr(cls, name, _OnTheWrapped(name))
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        # At interpreter exit there is nothing to undo, and this module's globals may be None already (an
-        # accumulator in a reference cycle is collected after the modules are torn down).
+        # At interpreter exit there is nothing to undo, and this module's globals may be None already (Python clears
+        # modules in an order that can leave an accumulator of the user's script to be collected after this module).
         if _finalizing():
             return
         # What this object built, read from its own attributes: a wrapper whose class subclasses this one and

@@ -297,9 +297,9 @@ def test_normalization_cannot_change_once_a_backward_opened_the_window():
 
 
 def test_an_accumulator_alive_at_interpreter_exit_leaves_quietly():
-    """An accumulator still alive when Python exits, collected after gafused's module globals are gone (windows whose
-    weights stay device tensors, as on a GPU, form reference cycles): its __del__ raised TypeError there, which
-    Python printed as "Exception ignored in: GradAccumulator.__del__" at the end of the user's script."""
+    """An accumulator still alive when Python exits can be collected after gafused's module globals are cleared (seen
+    here with weights kept as device tensors, the path a GPU takes): its __del__ raised TypeError there, which Python
+    printed as "Exception ignored in: GradAccumulator.__del__" at the end of the user's script."""
     script = textwrap.dedent(
         """
         import torch, gafused, gafused.accumulator as accumulator
