@@ -29,7 +29,7 @@ def cuda_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(triton_backend, "_INTERPRETED", False)  # as without TRITON_INTERPRET: compiled kernels
-    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))  # an H100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
     monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda_module = ops._load("cuda")
@@ -76,14 +76,14 @@ def test_auto_falls_back_to_foreach_with_a_warning_on_rocm(cuda_machine, monkeyp
 def test_auto_falls_back_to_foreach_with_a_warning_below_what_triton_compiles_for(cuda_machine, monkeypatch):
     """Triton compiles for compute capability 7.0 and up: on an older GPU (a P100, 6.0) auto does not pick kernels
     that would fail at their first compile, and a named triton backend is refused with the reason."""
-    monkeypatch.setattr(triton_backend, "_capability", lambda device: (6, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
     reason = triton_backend.unavailable_reason(CUDA)
     assert reason == "Triton compiles for compute capability 7.0 and up; cuda has 6.0"
     with pytest.warns(RuntimeWarning, match="foreach backend"):
         assert ops.resolve_backend("auto", CUDA) == "foreach"
     with pytest.raises(RuntimeError, match="compute capability 7.0 and up"):
         ops.resolve_backend("triton", CUDA)
-    monkeypatch.setattr(triton_backend, "_capability", lambda device: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     assert ops.resolve_backend("auto", CUDA) == "triton"
 
 

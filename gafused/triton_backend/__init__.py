@@ -17,7 +17,6 @@ allocations anywhere in the address space. It would read wrong memory without a 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -32,15 +31,6 @@ __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_rea
 # TRITON_INTERPRET is read when a kernel is defined, so what matters is how this module's kernels were built
 # (an InterpretedFunction otherwise; its module is not imported here: it needs numpy, compiled kernels do not).
 _INTERPRETED = not isinstance(_fold_kernel, JITFunction)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -64,7 +54,7 @@ def unavailable_reason(device: torch.device) -> str | None:
                 "only; unset TRITON_INTERPRET to run them on CUDA tensors"
             )
         if torch.cuda.is_available():
-            major, minor = _capability(device)
+            major, minor = torch.cuda.get_device_capability(device)
             if major < 7:
                 return f"Triton compiles for compute capability 7.0 and up; {device} has {major}.{minor}"
         return None
