@@ -568,6 +568,47 @@ def test_a_fit_that_raises_gives_the_precision_plugin_its_backward_back() -> Non
     assert callback._plugin is None and callback._module is None
 
 
+@pytest.mark.parametrize("hook", ["on_after_backward", "on_before_optimizer_step"])
+def test_an_error_after_a_windows_last_backward_leaves_the_users_error_and_a_checkpoint(hook: str, tmp_path) -> None:
+    """An error raised between a window's last backward and Lightning's optimizer step (a failing check in
+    on_after_backward or on_before_optimizer_step, a Ctrl-C): that micro-batch cannot end, so the window is discarded,
+    as Lightning's own accumulation loses it. state_dict() refused a micro-batch half ended, so OnExceptionCheckpoint
+    wrote nothing and its RuntimeError replaced the user's error."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class FailingCheck(pl.Callback):
+        def __init__(self) -> None:
+            self.calls = {"on_after_backward": 0, "on_before_optimizer_step": 0}
+
+        def _count(self, name: str, at: int) -> None:
+            self.calls[name] += 1
+            if name == hook and self.calls[name] == at:
+                raise RuntimeError("the user's check failed")
+
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self._count("on_after_backward", 2 * cases.N)  # the second window's last batch
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+            self._count("on_before_optimizer_step", 2)
+
+    callback = GradAccumulation(weight=cases.tokens)
+    checkpoint = OnExceptionCheckpoint(str(tmp_path), filename="on_exception")
+    trainer = _quiet_trainer(
+        callbacks=[FailingCheck(), callback, checkpoint], default_root_dir=str(tmp_path), enable_checkpointing=True
+    )
+    module = TinyLM(0)
+    with pytest.raises(RuntimeError, match="the user's check failed") as raised:
+        trainer.fit(module)
+    assert any("the window was discarded" in note for note in getattr(raised.value, "__notes__", []))
+    assert callback.accumulator.micro_step == 0 and all(p.grad is None for p in module.parameters())
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert saved["optimizer_states"][0]["gafused"]["micro_step"] == 0
+    assert saved["global_step"] == 1  # the first window stepped, the second did not
+    assert all(torch.equal(value, module.state_dict()[name]) for name, value in saved["state_dict"].items())
+
+
 def test_reduce_dtype_reaches_the_accumulator_under_ddp() -> None:
     """DDP on one gloo process, in this one: reduce_dtype is DDP's buckets' wire dtype."""
     _, TinyLM, _ = cases._lightning_classes()

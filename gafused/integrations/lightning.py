@@ -110,6 +110,18 @@ class _LightningAccumulator(GradAccumulator):
         try:
             with torch.enable_grad():
                 result = closure()
+        except BaseException as error:
+            if self._micro is not None:
+                # The window's last backward ran (its buckets are finished in place), its step will not: a checkpoint
+                # taken on this exception (OnExceptionCheckpoint) could not hold a micro-batch half ended.
+                self._lightning_end_declared = False
+                self._discard_window()
+                _add_note(
+                    error,
+                    "gafused: the window was discarded (its last batch's backward had run, Lightning's optimizer step "
+                    "had not), as Lightning's own accumulation loses it",
+                )
+            raise
         finally:
             self._lightning_in_step = False
         if self._lightning_end_declared:
@@ -305,8 +317,10 @@ class GradAccumulation(Callback):
             # Lightning starts a window here (it zeroes p.grad on this batch), but gafused's is still open.
             raise RuntimeError(
                 f"GradAccumulation: Lightning starts a new window at batch {batch_idx}, but {accumulator.micro_step} "
-                "micro-batch(es) of the previous one were never stepped (did on_train_batch_start return -1 in the "
-                "middle of a window?). Lightning would drop their gradients; gafused does not drop them silently"
+                "micro-batch(es) of the previous one were never stepped (on_train_batch_start returned -1 in the "
+                "middle of a window, or the run resumed from a checkpoint saved during a batch, such as "
+                "OnExceptionCheckpoint's, after which Lightning's batches and windows no longer line up). Lightning "
+                "would drop their gradients; gafused does not drop them silently"
             )
         if self.weight is None:
             self._batch_weight = None
