@@ -10,7 +10,8 @@ Math happens in ``acc.dtype`` (float32, or float64 for float64 buffers): gradien
 they are weighted, whatever their own dtype. One exception, on CPU: a middle fold of float64 gradients into a
 float32 buffer is ``add_``'s type promotion, computed in float64 and rounded once into float32 (the foreach
 backend on CPU does the same; triton, cuda and foreach off the CPU round the gradient first: they may differ by
-one float32 ulp). Sums of squares add in float64 and
+one float32 ulp, and where the gradient itself is beyond float32's range, by more: inf against a finite product,
+or 0 against a tiny one; a first fold rounds the gradient first everywhere). Sums of squares add in float64 and
 round once to ``acc.dtype``.
 
 On CPU, where reading a 0-d tensor costs no device sync (``_host_scalars``), a middle fold is one fused

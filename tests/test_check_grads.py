@@ -390,9 +390,14 @@ def test_ops_refuse_a_scalar_that_is_no_real_value_before_writing(backend, weigh
     assert torch.equal(buffer.data, before)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64],
+    ids=str,
+)
 def test_an_integer_tensor_scalar_folds_its_value(backend, dtype):
-    """A token count kept as an integer tensor is a valid weight (and scale, coef): folded as its value."""
+    """A token count kept as an integer tensor is a valid weight (and scale, coef): folded as its value, in any
+    integer dtype GradAccumulator takes."""
     buffer = _shaped_buffer([(3,), (2,)])
     grads = [torch.full((3,), 0.5), torch.full((2,), -1.0)]
     ops.fold_(buffer, grads, torch.tensor(3, dtype=dtype), first=True, backend=backend)
