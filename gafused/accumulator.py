@@ -327,6 +327,10 @@ class GradAccumulator(torch.optim.Optimizer):
             torch.finfo(narrowest).max,
             narrowest,
         )
+        # With normalization="mean" the window is scaled by 1 / its weight sum, a normal number of that dtype only while
+        # the sum is at most 1 / tiny (float32: 8.5e37): beyond, the scale is subnormal (precision lost) or 0 (a sum
+        # that overflowed), and the window would step with a wrong or an all-zero gradient.
+        self._largest_mean_sum = 1 / torch.finfo(narrowest).tiny
         # In the inner optimizer's order: a parameter swapped there would be stepped with a gradient never folded.
         self._managed: tuple[torch.Tensor, ...] = tuple(
             param for param_group in optimizer.param_groups for param in param_group["params"]
@@ -894,7 +898,10 @@ class GradAccumulator(torch.optim.Optimizer):
             weight: this micro-batch's weight (a sample or token count) for the ``loss.backward()`` loop, a
                 non-negative finite number (Python or NumPy) or a 0-d tensor (default 1), 0 or a normal number of
                 the accumulation dtype (float32: 1.2e-38 to 3.4e38), also once divided by ``grad_scaler``'s scale
-                (checked on the device, like a device tensor); refused after ``backward()``, which takes it.
+                (checked on the device, like a device tensor); refused after ``backward()``, which takes it. With
+                ``normalization="mean"`` the window's weights must sum to at most 1 / the dtype's smallest normal
+                number (float32: 8.5e37), so that the scale 1 / sum is a normal number: a weight above it is
+                refused, a window whose sum goes beyond it is refused at its end.
                 Keyword only. A tensor stays on its device: no host sync. A CPU tensor or number is checked here; a
                 device tensor is checked on the device and a bad value raises at the end of the window (where the
                 one host sync of the step happens), discarding that window. A step() with no gradient since the
@@ -1022,7 +1029,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 "step(): no parameter of the accumulator received a gradient since the last step(): it would count "
                 "an empty micro-batch of weight 1, diluting the window's mean (a step() called twice, or "
                 "step(end_window=True) where flush() was meant, or a backward() whose loss reached none of its "
-                "parameters). Run this micro-batch's backward first; to count a micro-batch without gradients on "
+                "parameters, or a model whose parameters were replaced since the accumulator was built, by "
+                "load_state_dict(assign=True) or a new nn.Parameter: the optimizer still holds the old ones). Run "
+                "this micro-batch's backward first; to count a micro-batch without gradients on "
                 + (
                     "purpose, give its weight: step(weight=w)"
                     if micro is None
@@ -1711,6 +1720,14 @@ class GradAccumulator(torch.optim.Optimizer):
                 f"weight must be 0 or between {tiny:.4g} and {top:.4g} (normal numbers of the {dtype} accumulation), "
                 f"got {shown}; rescale the weights (with normalization='mean' only their ratios matter)"
             )
+        if self.normalization == "mean" and value > self._largest_mean_sum:
+            shown = ops.number_text(value if given is None else given)
+            name = str(dtype).removeprefix("torch.")
+            raise ValueError(
+                f"weight must be at most {self._largest_mean_sum:.4g} with normalization='mean', got {shown}: the "
+                f"window is scaled by 1 / the sum of its weights, which must be a normal {name} number; rescale the "
+                "weights (only their ratios matter)"
+            )
 
     def _held_grads(self) -> list[list[torch.Tensor | None]]:
         """Every group's unfolded gradients, checked before any buffer changes (a refused step changes nothing).
@@ -1848,6 +1865,8 @@ class GradAccumulator(torch.optim.Optimizer):
         norm, found_inf = self._measure(results)
         coef = self._clip_coef(norm)
         bad_weight = self._bad_weight if self._bad_weight is not None else torch.zeros_like(found_inf)
+        if self.normalization == "mean":
+            bad_weight = bad_weight | self._sum_beyond_scale()
         # (micro-batch counts differ, settings differ) across ranks
         mismatch = self._rank_mismatch if self._rank_mismatch is not None else found_inf.new_zeros(2)
         self._rank_mismatch = None
@@ -1875,24 +1894,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 nonfinite, may_overflow = (bool(value) for value in again)
         self._grad_norm = norm
         if bad:  # a refused window leaves the loss scaler as it was
-            tiny, top, dtype = self._weight_range
-            cause = (
-                f"one given as a device tensor was negative, nan, inf or outside {str(dtype).removeprefix('torch.')}'s "
-                f"normal range ({tiny:.3g} to {top:.3g})"
-            )
-            # (An error path: reading the scale may cost a second sync.)
-            inverse = None if self._inv_loss_scale is None else self._inv_loss_scale.item()
-            if self._grad_scaler is not None and inverse != 0:  # (0: an infinite scale takes every weight to 0)
-                cause += ", or one divided by grad_scaler's loss scale left that range"
-                if inverse is not None:  # the weights that fit both the range and the range once divided
-                    scale = 1 / inverse
-                    low, high = max(tiny, tiny * scale), min(top, top * scale)
-                    cause += f" (at the loss scale {scale:g}: 0, or {low:.3g} to {high:.3g})"
+            cause = self._refused_weights_cause()
             self._discard_window()
-            raise ValueError(
-                f"weight: a weight of this window was refused at its end: {cause}; the window was discarded and the "
-                "inner optimizer did not step"
-            )
+            raise ValueError(f"weight: {cause}; the window was discarded and the inner optimizer did not step")
         if nonfinite:
             self._skip_window(found_inf)
             return
@@ -1967,6 +1971,36 @@ class GradAccumulator(torch.optim.Optimizer):
             self._update_grad_scaler(found_inf)
         self._skipped_steps += 1
         self._discard_window()
+
+    def _sum_beyond_scale(self) -> torch.Tensor:
+        """Whether the window's weight sum is beyond what its scale 1 / sum can be taken from (a device flag)."""
+        return ~(self._weight_sum <= self._largest_mean_sum)  # an infinite sum too
+
+    def _refused_weights_cause(self) -> str:
+        """Why a window's end refused its weights (an error path: reading the flags may cost more syncs)."""
+        tiny, top, dtype = self._weight_range
+        causes = []
+        if self._bad_weight is not None and bool(self._bad_weight):
+            cause = (
+                f"a weight of this window was refused at its end: one given as a device tensor was negative, nan, inf "
+                f"or outside {str(dtype).removeprefix('torch.')}'s normal range ({tiny:.3g} to {top:.3g})"
+            )
+            inverse = None if self._inv_loss_scale is None else self._inv_loss_scale.item()
+            if self._grad_scaler is not None and inverse != 0:  # (0: an infinite scale takes every weight to 0)
+                cause += ", or one divided by grad_scaler's loss scale left that range"
+                if inverse is not None:  # the weights that fit both the range and the range once divided
+                    scale = 1 / inverse
+                    low, high = max(tiny, tiny * scale), min(top, top * scale)
+                    cause += f" (at the loss scale {scale:g}: 0, or {low:.3g} to {high:.3g})"
+            causes.append(cause)
+        total = self._weight_sum.item()  # (nan where a bad device weight made it: said above)
+        if self.normalization == "mean" and total > self._largest_mean_sum:
+            causes.append(
+                f"this window's weights sum to {total:.4g}, beyond {self._largest_mean_sum:.4g}: "
+                "with normalization='mean' the window is scaled by 1 / that sum, which must be a normal "
+                f"{str(dtype).removeprefix('torch.')} number; rescale the weights (only their ratios matter)"
+            )
+        return "; ".join(causes)
 
     def _measure(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's global norm and non-finite flag from the (sum of squares, flag) of its finished pieces."""

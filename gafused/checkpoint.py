@@ -9,7 +9,6 @@ refused checkpoint changes nothing; a bad field raises ValueError naming it.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -196,8 +195,8 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
     if open_window and not flagged and not _possible_weight_sum(weight_sum.item(), acc._weight_range[0]):
         raise field_error(
             "weight_sum",
-            f"a sum of micro-batch weights: 0, or finite and at least {acc._weight_range[0]:.3g} (the smallest "
-            "weight there is)",
+            f"a sum of micro-batch weights: 0, or at least {acc._weight_range[0]:.3g} (the smallest weight there is; "
+            "inf where the weights overflowed, which the window's end refuses)",
         )
     world = window.get("world_size", 1)
     if open_window and world != acc._sync.world_size:
@@ -313,8 +312,9 @@ def by_identity(value: Any) -> bool:
 
 
 def _possible_weight_sum(value: float, tiny: float) -> bool:
-    """Whether ``value`` can be the weight sum of an open window: every weight is 0 or at least ``tiny``."""
-    return value == 0 or (math.isfinite(value) and value >= tiny)
+    """Whether ``value`` can be the weight sum of an open window: every weight is 0 or at least ``tiny`` (and
+    weights that are each finite can sum to inf)."""
+    return value == 0 or value >= tiny  # (nan fails both)
 
 
 def _is_real(value: Any) -> bool:

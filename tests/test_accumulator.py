@@ -981,6 +981,46 @@ def test_weight_outside_the_accumulation_range_is_refused(backend, loop, weight)
     assert wide.micro_step == 1
 
 
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.float64], ids=str)
+def test_a_mean_window_whose_weights_sum_beyond_its_scale_is_refused_at_its_end(backend, loop, accum_dtype):
+    """With normalization="mean" a window's sum is multiplied by 1 / its weight sum, a normal number of the
+    accumulation dtype only while that sum is at most 1 / tiny: beyond it float32's scale was subnormal (the finished
+    gradient off by up to 1e-4 relative), and float64 weights that each fit summed to inf, a scale of 0, so the inner
+    optimizer stepped an all-zero gradient. Every weight here fits, their sum does not: the window's end refuses it,
+    nothing steps, and the next window is exact. A weight beyond it on its own is refused when given."""
+    limit = 1 / torch.finfo(accum_dtype).tiny
+    model, twin = _model(torch.float32), _model(torch.float32)
+    before = [param.detach().clone() for param in model.parameters()]
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 5, backend=backend, accum_dtype=accum_dtype)
+    batches = _data([2] * 5, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"weight must be at most .* with normalization='mean'"):
+        micro_batch(opt, _loss(model, *batches[0]), loop, weight=1.5 * limit)
+    assert opt.micro_step == 0
+    opt.zero_grad()
+    weight = 0.9 * limit
+    total = f"{5 * weight:.4g}"  # float64: inf
+    for index, (x, y) in enumerate(batches):
+        if index < 4:
+            micro_batch(opt, _loss(model, x, y), loop, weight=weight)
+            opt.zero_grad()
+            continue
+        with pytest.raises(
+            ValueError, match=rf"this window's weights sum to {re.escape(total)}, beyond .*1 / that sum"
+        ):
+            micro_batch(opt, _loss(model, x, y), loop, weight=weight)
+    assert opt.micro_step == 0 and not opt.stepped and opt.skipped_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(param.grad is None for param in model.parameters())
+    fresh = GradAccumulator(torch.optim.SGD(twin.parameters(), lr=0.1), 2, backend=backend, accum_dtype=accum_dtype)
+    opt.accumulation_steps = 2
+    for x, y in batches[:2]:
+        for net, acc in ((model, opt), (twin, fresh)):
+            micro_batch(acc, _loss(net, x, y), loop, weight=x.shape[0])
+            acc.zero_grad()
+    assert opt.stepped and fresh.stepped
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 @pytest.mark.parametrize(
     ("weight", "error", "message"),
     [
@@ -1855,10 +1895,11 @@ def test_weight_that_underflows_once_divided_by_the_loss_scale_is_refused(loop):
 
 def test_weight_above_the_range_once_divided_by_a_loss_scale_below_one_is_refused_with_that_range():
     """A loss scale below 1 raises a weight: one near float32's maximum leaves the range from above, and the refusal
-    gives the range of weights that fit at that scale, both ends."""
+    gives the range of weights that fit at that scale, both ends. (With "sum": "mean" refuses a weight above 1 / tiny
+    when it is given, as its window's scale would not be a normal number.)"""
     model = _model(torch.float32)
     scaler = torch.amp.GradScaler("cpu", init_scale=0.5)
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_scaler=scaler)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, grad_scaler=scaler, normalization="sum")
     x, y = _data([3], dtype=torch.float32)[0]
     tiny, top = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
     with pytest.raises(ValueError, match=re.escape(f"at the loss scale 0.5: 0, or {tiny:.3g} to {top * 0.5:.3g})")):
@@ -2165,6 +2206,18 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
     _assert_same_params(model, reference, 1e-12)
     opt.step(weight=0)  # an empty micro-batch on purpose: counted, adding nothing
     assert opt.micro_step == 1
+
+
+def test_a_model_whose_parameters_were_replaced_is_told_why_its_gradients_are_missing(loop):
+    """model.load_state_dict(..., assign=True) gives the model new Parameter objects; the optimizer still holds the
+    old ones, which get no gradient (plain PyTorch stops training them without a word). The refusal names that."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model.load_state_dict({name: value.clone() for name, value in model.state_dict().items()}, assign=True)
+    x, y = _data([3])[0]
+    with pytest.raises(RuntimeError, match=r"parameters were replaced since the accumulator was built.*assign=True"):
+        micro_batch(opt, _loss(model, x, y), loop)
+    assert opt.micro_step == 0
 
 
 def test_a_backward_whose_loss_reaches_no_parameter_is_refused_at_step_without_a_weight():
