@@ -308,7 +308,7 @@ class GradAccumulator(torch.optim.Optimizer):
         _warn_of_frozen_parameters(self._groups)
         self._home: torch.device = self._groups[0].buffer.device
         # With model=, a collective: before anything is attached to the model or its parameters.
-        sync.check_same_settings(self._settings(reduce_dtype), self._home)
+        sync.check_same_settings(self._settings(reduce_dtype, model_order), self._home)
         # The largest finite value of the narrowest parameter dtype whose finished gradient is cast down from the
         # buffer (fp16: 65504), or None: a finished value beyond it would reach the inner step as inf.
         self._cast_limit: float | None = min(
@@ -371,6 +371,9 @@ class GradAccumulator(torch.optim.Optimizer):
         # The other live accumulators over some of these parameters (usually none): each one's finished gradients
         # are not new gradients for the other.
         self._overlapping: weakref.WeakSet[GradAccumulator] = weakref.WeakSet()
+        # The last weighted backward() of another accumulator that gave some of these parameters their p.grad (two
+        # optimizers over one loss): this one's step() must count that micro-batch with the same weight.
+        self._weighted_elsewhere: _WeightedElsewhere | None = None
         self._hooks = BucketHooks(
             [group.buffer for group in self._groups], self, [group.params for group in self._groups]
         )
@@ -455,10 +458,11 @@ class GradAccumulator(torch.optim.Optimizer):
 
     # --- construction -----------------------------------------------------------------------------------
 
-    def _settings(self, reduce_dtype: torch.dtype | None) -> dict[str, Any]:
+    def _settings(self, reduce_dtype: torch.dtype | None, model_order: dict[int, int] | None) -> dict[str, Any]:
         """What every rank's accumulator over one model must share: its arguments, and per buffer the parameters'
-        dtype and shapes, the backend and (where gafused all-reduces the buckets, DDP) the bucket cuts. Devices
-        differ across ranks (cuda:0, cuda:1) and so, under FSDP2, do the local shards and their buckets."""
+        dtype, shapes and places in the model (``model_order``: id -> position), the backend and (where gafused
+        all-reduces the buckets, DDP) the bucket cuts. Devices differ across ranks (cuda:0, cuda:1) and so, under
+        FSDP2, do the local shards and their buckets."""
         settings: dict[str, Any] = {
             "accumulation_steps": None if self.accumulation_steps is None else int(self.accumulation_steps),
             "max_grad_norm": self.max_grad_norm,  # a float: 1 and 1.0 are alike
@@ -472,6 +476,8 @@ class GradAccumulator(torch.optim.Optimizer):
             ],
             "backend": [group.backend for group in self._groups],
         }
+        if model_order is not None:  # two accumulators over one model, their parameters crossed between ranks
+            settings["model positions"] = [[model_order[id(param)] for param in group.params] for group in self._groups]
         if self._sync.reduces_buckets:
             settings["bucket_bytes"] = [
                 [(r.start, r.stop) for r in group.buffer.bucket_ranges] for group in self._groups
@@ -808,6 +814,7 @@ class GradAccumulator(torch.optim.Optimizer):
             micro.ends_window = True
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
+        others_before = self._others_grads() if micro.given is not None else None
         self._sync.before_backward(micro.ends_window)
         self._hooks.start()
         micro.folded_in_call = False
@@ -840,6 +847,52 @@ class GradAccumulator(torch.optim.Optimizer):
                     micro.ends_window = ended_before
             raise
         micro.folded = micro.folded or micro.folded_in_call
+        if others_before:
+            self._tell_others(others_before, micro)
+
+    def _others_grads(self) -> dict[GradAccumulator, list[tuple[torch.Tensor, torch.Tensor | None, int]]]:
+        """Every other live accumulator's parameters with their ``p.grad`` and its version (none when this is the only
+        accumulator, the usual case): what a backward() over a loss they share changes."""
+        return {
+            other: [
+                (param, param.grad, 0 if param.grad is None else param.grad._version)
+                for group in other._groups
+                for param in group.params
+            ]
+            for other in list(_LIVE_ACCUMULATORS or ())
+            if other is not self
+        }
+
+    def _tell_others(
+        self, before: dict[GradAccumulator, list[tuple[torch.Tensor, torch.Tensor | None, int]]], micro: _MicroBatch
+    ) -> None:
+        """After a weighted backward(): the other accumulators whose parameters it gave gradients learn its weight."""
+        for other, params in before.items():
+            produced = [
+                (weakref.ref(param.grad), param.grad._version)
+                for param, grad, version in params
+                if param.grad is not None and (param.grad is not grad or param.grad._version != version)
+            ]
+            if produced:
+                other._weighted_elsewhere = _WeightedElsewhere(micro.given, micro.weight, produced)
+
+    def _weight_from_elsewhere(self) -> _WeightedElsewhere | None:
+        """The weighted backward() of another accumulator that gave some ``p.grad`` this step() would fold, if any."""
+        record = self._weighted_elsewhere
+        if record is None:
+            return None
+        held = {
+            id(param.grad): param.grad._version
+            for group in self._groups
+            for param in group.params
+            if param.grad is not None
+        }
+        for ref, version in record.produced:
+            grad = ref()
+            if grad is not None and held.get(id(grad)) == version:
+                return record
+        self._weighted_elsewhere = None  # its gradients were folded, released or replaced since
+        return None
 
     def _check_weight_fits_loss(
         self, given: Any, w: torch.Tensor, bad: torch.Tensor | None, loss_dtype: torch.dtype
@@ -898,7 +951,9 @@ class GradAccumulator(torch.optim.Optimizer):
             weight: this micro-batch's weight (a sample or token count) for the ``loss.backward()`` loop, a
                 non-negative finite number (Python or NumPy) or a 0-d tensor (default 1), 0 or a normal number of
                 the accumulation dtype (float32: 1.2e-38 to 3.4e38), also once divided by ``grad_scaler``'s scale
-                (checked on the device, like a device tensor); refused after ``backward()``, which takes it. With
+                (checked on the device, like a device tensor); refused after ``backward()``, which takes it. After
+                another accumulator's ``backward(loss, weight=w)`` gave these parameters their gradients (two
+                optimizers over one model), it must be that ``w``. With
                 ``normalization="mean"`` the window's weights must sum to at most 1 / the dtype's smallest normal
                 number (float32: 8.5e37), so that the scale 1 / sum is a normal number: a weight above it is
                 refused, a window whose sum goes beyond it is refused at its end.
@@ -1006,13 +1061,25 @@ class GradAccumulator(torch.optim.Optimizer):
                 else "weight: backward() opened this micro-batch without a weight (it counts 1); a micro-batch's "
                 "weight goes to its backward(loss, weight=w), not to step(): call step() without it"
             )
+        elsewhere = self._weight_from_elsewhere() if micro is None else None
+        if elsewhere is not None and (weight is None or not _same_weight(weight, elsewhere.given)):
+            raise ValueError(
+                f"weight: gradients this step() would fold come from another accumulator's backward(loss, "
+                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; give this step() the "
+                f"same weight, step(weight=w), so both count it alike (got {weight!r}; an equal number or CPU "
+                "tensor, or the same GPU tensor)"
+            )
         if micro is None:
-            if weight is not None and self._sync.weight_in_loss:
+            if weight is not None and self._sync.weight_in_loss and elsewhere is None:
                 raise ValueError(
                     "weight: with an FSDP2 model, FSDP sums the ranks' gradients during backward, so a weight "
                     "given after it cannot be applied per rank; pass it up front: opt.backward(loss, weight=w)"
                 )
             w, bad = self._weight_tensor(weight)
+            if elsewhere is not None and self._sync.weight_in_loss:
+                # The weight is in those gradients already (the other backward multiplied the loss by it, rounded to
+                # the loss's dtype): counted as that backward counted it, folded with FSDP's divide factor only.
+                w = ops.to_device(elsewhere.weight, self._home, torch.float64)
         grads = self._held_grads()  # every check happens before anything changes
         # No weight given (so it counts 1), and no gradient since the last step(): plain loss.backward() reached no
         # parameter, or backward() folded nothing (its loss reached only other tensors).
@@ -2414,6 +2481,15 @@ class _MicroBatch:
     bad_weight: torch.Tensor | None = None  # device flag for a tensor weight checked on the device
     folded: bool = False  # an earlier backward() of this micro-batch folded something
     folded_in_call: bool = False  # the running backward() folded something
+
+
+@dataclass
+class _WeightedElsewhere:
+    """Another accumulator's weighted backward() that gave some of this one's parameters their ``p.grad``."""
+
+    given: float | torch.Tensor  # the weight as its caller gave it
+    weight: torch.Tensor  # as that backward counted it (float64 0-d; FSDP2: rounded to the loss's dtype)
+    produced: list[tuple[weakref.ref, int]]  # the gradients it gave this accumulator's parameters, with versions
 
 
 def _same_weight(weight: Any, given: Any) -> bool:

@@ -123,8 +123,8 @@ class Sync:
             raise ValueError(
                 f"model: the ranks built their GradAccumulators over this model with different {', '.join(differ)} "
                 f"(rank {self.rank}: {here}); every rank must pass the same arguments and the same parameters "
-                "(dtypes and shapes) and pick the same backend, or their buckets and "
-                "clipping would not match. Nothing was attached to the model"
+                "(the model's same ones, of the same dtypes and shapes) and pick the same backend, or their buckets "
+                "and clipping would not match. Nothing was attached to the model"
             )
 
     def attach(self) -> None:
@@ -527,9 +527,15 @@ def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: 
     is_ddp = isinstance(model, DistributedDataParallel)
     is_fsdp = bool(FSDPModule) and isinstance(model, FSDPModule)
     if not (is_ddp or is_fsdp):
+        compiled = getattr(model, "_orig_mod", None)  # what torch.compile(module) returns wraps the module
+        hint = (
+            f" (torch.compile's wrapper of a {type(compiled).__name__}: pass the module it compiled, model._orig_mod)"
+            if isinstance(compiled, torch.nn.Module)
+            else ""
+        )
         raise TypeError(
             "model must be a DistributedDataParallel module or a module sharded with "
-            f"torch.distributed.fsdp.fully_shard, got {type(model).__name__}"
+            f"torch.distributed.fsdp.fully_shard, got {type(model).__name__}{hint}"
         )
     owned = {id(param) for param in model.parameters()}
     for index, param in enumerate(params):

@@ -309,7 +309,8 @@ def run_case(
         "wire": wire_per_window,
         "wire_before_last": wire_before_last,
         "wire_at_build": wire_at_build,  # (calls, bytes) of building the accumulator anew mid-window
-        "settings": len(opt._settings(reduce_dtype)),  # what the construction check compares across ranks
+        # What the construction check compares across ranks.
+        "settings": len(opt._settings(reduce_dtype, {id(p): i for i, p in enumerate(model.parameters())})),
         "ddp_own_all_reduces": DDP_OWN_ALL_REDUCES[0],
         "seen_by_first_layer": seen_by_first_layer,
         "buckets": sum(len(buffer.bucket_ranges) for buffer in opt.buffers),
@@ -602,6 +603,14 @@ def _misuse(rank: int) -> dict[str, str]:
             ValueError, gafused.GradAccumulator, sgd, N, model=ddp, **{setting: ranks_values[rank]}
         )
     said["ddp sync after ranks differ"] = str(ddp.require_backward_grad_sync)
+    # Two accumulators over one model whose parameters the ranks split differently (the same shapes): each rank's
+    # first one would sum its parameters' gradients with another parameter's on the other rank.
+    torch.manual_seed(0)
+    twins = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    crossed = list(twins.module[rank].parameters())
+    said["ddp ranks cross parameters"] = _said(
+        ValueError, gafused.GradAccumulator, torch.optim.SGD(crossed, lr=LR), N, model=twins
+    )
     # FSDP2 cuts buckets from each rank's own (uneven) shards: the cuts differ across ranks, and may; clipping may not.
     fsdp = _wrap("fsdp", rank)
     sgd = torch.optim.SGD(fsdp.parameters(), lr=LR)
@@ -722,7 +731,45 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_fsdp_sync_off_cases(rank))
     said.update(_fsdp_zero_grad_after_a_load(rank))
     said.update(_ddp_split_cases(rank))
+    said.update(_split_backward_cases(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
+    return said
+
+
+def _split_backward_cases(rank: int) -> dict[str, str]:
+    """Two accumulators over one model (Muon and AdamW, say) in the backward loop: the first's backward(loss,
+    weight=w) gives the second's parameters their gradients, so the second's step() takes the same weight, which
+    under FSDP2 is in those gradients already (the loss was multiplied by it): counted, not applied again. Without
+    it, that step() is refused, nothing changed (FSDP2 counted it 1: the window was off by the ratio of token counts
+    to micro-batches). Either equals one accumulator over the whole model, bitwise."""
+    import gafused
+
+    said: dict[str, str] = {}
+
+    def window(opts: list[gafused.GradAccumulator], model: torch.nn.Module, kind: str) -> None:
+        first, *rest = opts
+        for micro in range(N):
+            x, y = micro_batch(rank, 0, micro)
+            first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+            first.step()
+            for opt in rest:
+                if micro == 0:
+                    said[f"{kind} split step without the weight"] = _said(ValueError, opt.step)
+                    said[f"{kind} split step without the weight micro_step"] = str(opt.micro_step)
+                opt.step(weight=x.shape[0])
+            for opt in opts:
+                opt.zero_grad()
+
+    for kind in ("ddp", "fsdp"):
+        whole = _wrap(kind, rank)
+        window([gafused.GradAccumulator(torch.optim.SGD(whole.parameters(), lr=LR), N, model=whole)], whole, kind)
+        two = _wrap(kind, rank)
+        params = list(two.parameters())
+        parts = (params[:2], params[2:])
+        window([gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=two) for part in parts], two, kind)
+        equal = all(torch.equal(_full(a), _full(b)) for a, b in zip(two.parameters(), whole.parameters(), strict=True))
+        said[f"{kind} split backward equals one"] = str(equal)
+        gc.collect()
     return said
 
 

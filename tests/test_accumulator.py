@@ -2208,6 +2208,59 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
     assert opt.micro_step == 1
 
 
+def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gradients(backend):
+    """Two optimizers over one model (Muon and AdamW, say), each an accumulator: the first's backward(loss, weight=w)
+    gives the second's parameters their gradients, which the second's step() folds. Counted 1 there, the two
+    windows weighed the micro-batches differently (silently). step() without that weight, or with another, is
+    refused, nothing changed; with it both equal one accumulator over the model, bitwise. Gradients the second got
+    otherwise since (zero_grad, then a plain backward) take any weight again."""
+    whole, split = _model(), _model()
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 3, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 3, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 3, backend=backend)
+    batches = _data([1, 7, 3])
+    for index, (x, y) in enumerate(batches):
+        one.backward(_loss(whole, x, y), weight=len(x))
+        one.step()
+        one.zero_grad()
+        first.backward(_loss(split, x, y), weight=len(x))
+        first.step()
+        if index == 1:
+            held = [param.grad.clone() for param in params[2:]]
+            for wrong, shown in ((None, "None"), (len(x) + 1, str(len(x) + 1))):
+                with pytest.raises(ValueError, match=rf"backward\(loss, weight=7\).*same weight.*\(got {shown};"):
+                    second.step(weight=wrong)
+            assert second.micro_step == 1
+            assert all(torch.equal(param.grad, grad) for param, grad in zip(params[2:], held, strict=True))
+        second.step(weight=torch.tensor(len(x)))  # an equal CPU tensor is the same weight
+        first.zero_grad()
+        second.zero_grad()
+    assert one.stepped and first.stepped and second.stepped
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters(), strict=True))
+    first.backward(_loss(split, *batches[0]), weight=5)
+    first.step()
+    second.zero_grad()
+    _loss(split, *batches[0]).backward()
+    first.zero_grad()
+    second.step(weight=2)  # its own plain backward's gradients: any weight
+    assert second.micro_step == 1
+
+
+def test_a_model_that_is_neither_ddp_nor_fsdp2_is_refused_and_a_compiled_one_is_told_what_to_pass():
+    """model= owns a DDP or FSDP2 wrapper's synchronization; anything else is refused naming its type, and
+    torch.compile's wrapper (OptimizedModule, around the DDP module when it compiled that) says to pass
+    model._orig_mod."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"fully_shard, got Sequential$"):
+        GradAccumulator(sgd, 2, model=model)
+    with pytest.raises(
+        TypeError, match=r"got OptimizedModule \(torch.compile's wrapper of a Sequential: .*_orig_mod\)"
+    ):
+        GradAccumulator(sgd, 2, model=torch.compile(model))
+
+
 def test_a_model_whose_parameters_were_replaced_is_told_why_its_gradients_are_missing(loop):
     """model.load_state_dict(..., assign=True) gives the model new Parameter objects; the optimizer still holds the
     old ones, which get no gradient (plain PyTorch stops training them without a word). The refusal names that."""

@@ -323,6 +323,11 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
             refused = said[f"ddp ranks differ in {setting}"]
             assert f"with different {setting} (rank {rank}: {setting}=" in refused, refused
         assert said["ddp sync after ranks differ"] == "True"  # refused before the accumulator took DDP's sync over
+        refused = said["ddp ranks cross parameters"]
+        assert (
+            f"with different model positions (rank {rank}: model positions=[[{2 * rank}, {2 * rank + 1}]])" in refused
+        )
+        assert "the model's same ones" in refused, refused
         refused = said["fsdp ranks differ in max_grad_norm"]
         assert f"with different max_grad_norm (rank {rank}: max_grad_norm=" in refused, refused
         assert "join() (uneven inputs) is not supported" in said["ddp join"], said["ddp join"]
@@ -359,6 +364,12 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert len(norms) == 3 and len(set(norms)) == 1, norms  # the factor is undone whatever it is
         assert said["fsdp bf16 loss weight as carried"] == "True"
         assert said["two accumulators equal one"] == "True"
+        for kind in ("ddp", "fsdp"):
+            assert said[f"{kind} split backward equals one"] == "True"
+            refused = said[f"{kind} split step without the weight"]
+            assert "come from another accumulator's backward(loss, weight=" in refused, refused
+            assert "give this step() the same weight" in refused and "(got None;" in refused, refused
+            assert said[f"{kind} split step without the weight micro_step"] == "0"
         assert "4 parameter(s) of the DDP model" in said["plain second optimizer"]
         assert "e.g. 2.weight" in said["plain second optimizer"]
         assert said["plain second optimizer micro_step"] == str(cases.N - 1)
