@@ -1138,6 +1138,9 @@ class GradAccumulator(torch.optim.Optimizer):
             else:
                 results = self._fold_all(grads, w, bad, last)
                 del grads  # the last micro-batch's gradients must not outlive the fold (memory)
+        for group in self._groups:  # the fold wrote the buffer the views handed out may still show
+            if group.published is not None:
+                group.published_version = _published_source(group)._version
         self._micro_step += 1
         self._stepped = False
         self._unreduced_seen = self._sync.unreduced_fingerprint()
@@ -1803,6 +1806,7 @@ class GradAccumulator(torch.optim.Optimizer):
         does one that another live accumulator over the same parameter handed out.
         """
         foreign = self._foreign_views()
+        self._check_published_unwritten()
         held = []
         for group in self._groups:
             grads = [param.grad for param in group.params]
@@ -1815,6 +1819,38 @@ class GradAccumulator(torch.optim.Optimizer):
                 grads = [self._sync.local_grad(grad) for grad in grads]
             held.append(ops.check_grads(group.buffer, grads, group.names))
         return held
+
+    def _check_published_unwritten(self) -> None:
+        """Refuse a finished gradient handed out (``p.grad`` still the view) that a backward added into in place.
+
+        The hook on each such parameter releases its view before autograd accumulates, so in eager mode a view still
+        in ``p.grad`` at ``step()`` got no gradient since. Under compiled autograd the hook's release takes effect only
+        after the traced backward ran, which accumulated into the view: the new gradient is then inside the finished
+        one and cannot be taken out. The views share their buffer's version counter; one written since the last step
+        (or fold) and not all zeros (``model.zero_grad(set_to_none=False)`` zeroes them in place, harmlessly) is
+        refused, before anything changes (a sync, on this rare path only)."""
+        suspects: list[tuple[str, torch.Tensor]] = []
+        for group in self._groups:
+            if group.published is None or group.published_version is None:
+                continue
+            if _published_source(group)._version == group.published_version:
+                continue
+            for index, param in enumerate(group.params):
+                if group.hooked[index] and _is_published(group, index, param.grad):
+                    suspects.append((group.names[index], param.grad))
+        if not suspects:
+            return
+        nonzero = torch.stack([self._sync.local_grad(view).ne(0).any() for _, view in suspects]).tolist()
+        written = [name for (name, _), flag in zip(suspects, nonzero, strict=True) if flag]
+        if written:
+            raise RuntimeError(
+                f"step(): the p.grad of {', '.join(written[:3])}{' and others' if len(written) > 3 else ''} is still "
+                "the finished gradient handed to the last step, and was written in place since: a backward added "
+                "into it (under compiled autograd the hook that releases it before autograd accumulates takes effect "
+                "too late). Its new gradient cannot be taken apart from the old one: drop it with opt.zero_grad() and "
+                "run this micro-batch's backward again; call opt.zero_grad() after every step() under compiled "
+                "autograd. Nothing changed"
+            )
 
     def _others_publishing(self) -> list[GradAccumulator]:
         """The other live accumulators over some of these parameters whose last step's gradients are handed out

@@ -71,7 +71,9 @@ INSTALL_HINTS = {
 }
 
 _loaded: dict[str, ModuleType] = {}
-_import_errors: dict[str, BaseException] = {}
+# Each failed import's error as text, made when it failed: a message built from it while torch.compile traces
+# (an op whose backend does not import, under fullgraph=True) cannot call the error's __repr__.
+_import_errors: dict[str, str] = {}
 
 
 def _load(name: str) -> ModuleType | None:
@@ -95,7 +97,7 @@ def _load(name: str) -> ModuleType | None:
         else:
             from gafused import cuda_backend as module
     except Exception as error:  # noqa: BLE001 - any import failure makes the backend unavailable; kept for the report
-        _import_errors[name] = error
+        _import_errors[name] = repr(error)
         return None
     _loaded[name] = module
     return module
@@ -108,7 +110,7 @@ def backend_unavailable_reason(name: str, device: torch.device | str) -> str | N
     device = torch.device(device)
     module = _load(name)
     if module is None:
-        return f"gafused backend {name!r} failed to import: {_import_errors[name]!r}"
+        return f"gafused backend {name!r} failed to import: {_import_errors[name]}"
     reason = getattr(module, "unavailable_reason", None)
     return reason(device) if reason is not None else None
 
@@ -166,7 +168,7 @@ def _module(backend: str) -> ModuleType:
     module = _load(backend)
     if module is None:
         raise RuntimeError(
-            f"gafused backend {backend!r} failed to import: {_import_errors[backend]!r}. "
+            f"gafused backend {backend!r} failed to import: {_import_errors[backend]}. "
             f"To install it: {INSTALL_HINTS[backend]}"
         )
     return module
@@ -212,6 +214,7 @@ def _fold_op(
 ) -> None:
     _check_lengths(grads, offsets, numels)
     _check_op_tensors(acc, grads, numels)
+    (weight,) = _op_scalars(acc, None, weight=weight)
     _backend_for(acc, backend).fold_(acc, _resolved(grads), offsets, numels, weight, first)
 
 
@@ -228,6 +231,7 @@ def _fold_finish_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lengths(grads, offsets, numels)
     _check_op_tensors(acc, grads, numels)
+    weight, scale = _op_scalars(acc, None, weight=weight, scale=scale)
     return _backend_for(acc, backend).fold_finish_(acc, _resolved(grads), offsets, numels, weight, scale, first)
 
 
@@ -289,6 +293,28 @@ def _check_op_tensors(
         )
 
 
+def _op_scalars(acc: torch.Tensor, out: torch.Tensor | None, **scalars: torch.Tensor) -> list[torch.Tensor]:
+    """The registered ops' scalars as a backend reads them: each a 0-d tensor of ``acc``'s dtype on its device (what
+    ``_scalar`` makes; a backend reads one value of that dtype), copied where it is in the memory the op writes (a
+    compiled call's ``_scalar`` could not copy it: no tensor had memory while tracing). Also refuses an ``out`` in
+    ``acc``'s memory, which the eager ``scale_`` refuses before this."""
+    if out is not None and _same_storage(out, acc):
+        raise ValueError(
+            "out shares memory with the buffer (a view of its storage): the op would write what it still reads; "
+            "pass a tensor of its own, or no out to scale the buffer in place"
+        )
+    checked = []
+    for name, value in scalars.items():
+        if value.layout != torch.strided or value.dim() != 0 or value.dtype != acc.dtype or value.device != acc.device:
+            raise ValueError(
+                f"{name} must be a dense 0-d {acc.dtype} tensor on {acc.device} (acc's dtype and device), got "
+                f"{value.layout} {value.dtype} of shape {tuple(value.shape)} on {value.device}"
+            )
+        written = any(_same_storage(value, tensor) for tensor in (acc, out) if tensor is not None)
+        checked.append(value.clone() if written else value)
+    return checked
+
+
 def _resolved(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """The gradients a compiled graph hands a custom op, with a lazily negated view (``torch._neg_view``) resolved:
     ``check_grads`` resolves them in eager code, but while tracing no tensor is negated yet."""
@@ -323,6 +349,7 @@ def _scale_op(
     backend: str,
 ) -> None:
     _check_op_tensors(acc, out=out)
+    (coef,) = _op_scalars(acc, out, coef=coef)
     _backend_for(acc, backend).scale_(acc, offsets, numels, coef, out)
 
 

@@ -896,7 +896,7 @@ def test_constructor_rejects_non_optimizers_and_complex_parameters():
 def test_missing_backend_raises_with_install_command(monkeypatch):
     """A named backend that does not import says so and how to install it (as where gafused._C was not built)."""
     monkeypatch.setattr(ops, "_loaded", {k: v for k, v in ops._loaded.items() if k != "cuda"})
-    monkeypatch.setattr(ops, "_import_errors", {**ops._import_errors, "cuda": ImportError("no module gafused._C")})
+    monkeypatch.setattr(ops, "_import_errors", {**ops._import_errors, "cuda": "ImportError('no module gafused._C')"})
     with pytest.raises(RuntimeError, match="failed to import.*To install it"):
         GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), accumulation_steps=2, backend="cuda")
 

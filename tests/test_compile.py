@@ -178,6 +178,55 @@ def test_the_ops_are_in_one_compiled_graph(name, backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("name", ["reference", "foreach", "triton"])
+def test_a_scalar_in_the_buffers_memory_is_read_before_a_compiled_op_writes_and_an_out_there_is_refused(name, backend):
+    """A scalar that is a 0-d view of the buffer: eager gafused.ops copy it, a traced call has no memory to copy,
+    so the op does. The Triton backend read the values the op was writing (a fold 2.6 off), the others raised from
+    inside torch; a compiled scale_ into an out in the buffer's memory overwrote the buffer (Dynamo's eager
+    backend; inductor's AOTAutograd refuses that input itself)."""
+    torch._dynamo.reset()
+
+    def window(buffer, grads):
+        ops.fold_(buffer, grads, buffer.data[0], first=False, backend=name)
+        total, _ = ops.fold_finish_(buffer, grads, buffer.data[3], buffer.data[1], first=False, backend=name)
+        ops.scale_(buffer, buffer.data[5], backend=name)
+        return total
+
+    grads = [torch.linspace(-1, 2, 6), torch.linspace(3, 1, 6).reshape(3, 2)]
+    eager_buffer, compiled_buffer = (FlatGradBuffer([torch.zeros(6), torch.zeros(3, 2)]) for _ in range(2))
+    for buffer in (eager_buffer, compiled_buffer):
+        ops.fold_(buffer, [torch.arange(1.0, 7.0), torch.arange(7.0, 13.0).reshape(3, 2)], 1.0, first=True)
+    expected = window(eager_buffer, grads)
+    got = torch.compile(window, backend=backend)(compiled_buffer, grads)
+    assert torch.equal(compiled_buffer.data, eager_buffer.data) and torch.equal(got, expected)
+    if backend != "eager":  # AOTAutograd refuses a mutated input viewed in another dtype itself
+        return
+    before = compiled_buffer.data.clone()
+    out = compiled_buffer.data.view(torch.bfloat16)[: compiled_buffer.numel]
+    scale = torch.compile(lambda buffer, out: ops.scale_(buffer, 2.0, out=out, backend=name), backend=backend)
+    with pytest.raises(ValueError, match="out shares memory with the buffer"):
+        scale(compiled_buffer, out)
+    assert torch.equal(compiled_buffer.data, before)
+    torch._dynamo.reset()
+
+
+def test_a_backend_that_failed_to_import_is_named_in_a_fullgraph_error():
+    """fullgraph=True turns the op's RuntimeError into Dynamo's error, which quotes its message; the message was
+    built with the import error's repr(), which Dynamo cannot call while tracing, so nothing of it was shown."""
+    reason = ops.backend_unavailable_reason("cuda", "cpu")  # resolved eagerly first, as the README says
+    if reason is None or "failed to import" not in reason:
+        pytest.skip(f"the cuda backend imports here ({reason})")
+    torch._dynamo.reset()
+    buffer = FlatGradBuffer([torch.zeros(6)])
+    compiled = torch.compile(
+        lambda grad: ops.fold_(buffer, [grad], 1.0, first=True, backend="cuda"), fullgraph=True, backend="eager"
+    )
+    with pytest.raises(Exception, match=r"gafused backend .{1,2}cuda.{1,2} failed to import: ImportError"):
+        compiled(torch.ones(6))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["reference", "foreach", "triton"])
 def test_ops_trace_without_a_break_when_their_backend_is_first_loaded_inside(monkeypatch, name):
     """The first call of a backend loads its module: inside a compiled function that must not break the graph."""
@@ -222,6 +271,66 @@ def test_a_hook_registered_after_the_accumulator_sees_the_gradient_under_compile
     assert opt.stepped and all(seen) and len(seen) == 8
     for param, grad in zip(model.parameters(), plain, strict=True):
         torch.testing.assert_close(param.grad, grad * 0.5, rtol=1e-12, atol=0)
+
+
+def test_a_backward_under_compiled_autograd_that_added_into_a_finished_gradient_is_refused_at_step():
+    """The loss.backward() loop without zero_grad() after a window's step(): in eager the hook on each parameter
+    releases the finished gradient (a view of the buffer) before autograd accumulates. Compiled autograd applies that
+    release only after the traced backward, which added into the view: step() folded nothing and counted weight 1,
+    dropping the micro-batch (0.05 off the big batch). Refused, nothing changed; after zero_grad() and the
+    micro-batch's backward again, the window is the big batch's."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(4)]
+
+    def backward(x):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            model(x).square().mean().backward()
+
+    for x in xs[:2]:
+        backward(x)
+        opt.step(weight=1)
+    assert opt.stepped
+    before = [param.detach().clone() for param in model.parameters()]
+    backward(xs[2])
+    with pytest.raises(RuntimeError, match=r"p.grad of param_groups\[0\]\['params'\]\[0\].*compiled autograd"):
+        opt.step(weight=1)
+    assert opt.micro_step == 0 and all(map(torch.equal, model.parameters(), before))
+    opt.zero_grad()
+    for x in xs[2:]:
+        backward(x)
+        opt.step(weight=1)
+        opt.zero_grad()
+    assert opt.stepped
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in (xs[:2], xs[2:]):
+        ref_opt.zero_grad()
+        reference(torch.cat(batch)).square().mean().backward()
+        ref_opt.step()
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, rtol=0, atol=1e-15)
+
+
+def test_finished_gradients_zeroed_in_place_or_left_unused_are_not_refused():
+    """What the check above must let through, in eager: model.zero_grad(set_to_none=False) zeroes the finished
+    gradients in place (their buffer's version counter moves), and a parameter no micro-batch reaches keeps its
+    view while the window's folds write the buffer under it. Neither is a gradient added into a finished one."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(2):
+        (model["used"](x) + model["spare"](x)).square().mean().backward()
+        opt.step(weight=1)
+    assert opt.stepped
+    model.zero_grad(set_to_none=False)  # the finished gradients, zeroed in place
+    for _ in range(4):  # spare gets no gradient in two windows; zero_grad() never called
+        model["used"](x).square().mean().backward()
+        opt.step(weight=1)
+    assert opt.stepped and opt.skipped_steps == 0
 
 
 @pytest.mark.parametrize("name", ["reference", "foreach", "triton"])

@@ -188,3 +188,46 @@ def test_called_directly_every_op_refuses_tensors_its_backend_would_address_out_
         ops._check_op_tensors(acc, out=torch.zeros(12, device="meta"))
     for out, _ in bad_outs.values():  # (the odd view's storage starts zero, as every other out does)
         assert not out.view(torch.uint8).any() if out.dtype.itemsize == 1 else not out.any()
+
+
+def test_called_directly_every_op_refuses_a_scalar_its_backend_would_misread_and_reads_one_in_its_memory_first(
+    backend,
+):
+    """A backend reads one value of ``acc``'s dtype at a scalar's address: an empty weight was read past its end
+    (the Triton interpreter crashed), a 1-D one taken for its first element. Each scalar that is not a 0-d tensor of
+    acc's dtype on its device (what ``gafused.ops`` hands the ops) is refused by name, nothing written. A scalar in
+    the memory the op writes (a 0-d view of acc: what a compiled ``gafused.ops`` call passes when given one, no
+    tensor having memory to copy while tracing) is read before the op writes, as in eager; an out in acc's memory is
+    refused."""
+    offsets, numels = [0, 8], [8, 4]
+    grads = [torch.full((8,), 0.5), torch.full((4,), -1.0)]
+    acc = torch.arange(1.0, 13.0)
+    before = acc.clone()
+    one = torch.tensor(1.0)
+    for shown, bad in {
+        "empty": torch.empty(0),
+        "1-D": torch.tensor([3.0, 5.0]),
+        "int64": torch.tensor(3),
+        "float64": torch.tensor(3.0, dtype=torch.float64),
+    }.items():
+        calls = {
+            "weight": lambda bad=bad: ops._fold_op(acc, grads, offsets, numels, bad, False, backend),
+            "scale": lambda bad=bad: ops._fold_finish_op(acc, grads, offsets, numels, one, bad, False, backend),
+            "coef": lambda bad=bad: ops._scale_op(acc, offsets, numels, bad, None, backend),
+        }
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=rf"{name} must be a dense 0-d torch.float32 tensor on cpu"):
+                call()
+            assert torch.equal(acc, before), f"{shown} {name}"
+    with pytest.raises(ValueError, match="out shares memory with the buffer"):
+        ops._scale_op(acc, offsets, numels, one, acc.view(torch.bfloat16)[:12], backend)
+    assert torch.equal(acc, before)
+    flat = torch.cat(grads)
+    ops._fold_op(acc, grads, offsets, numels, acc[1], False, backend)  # weight 2, read before acc[1] changes
+    assert torch.equal(acc, before + 2.0 * flat)
+    expected = (acc + acc[3] * flat) * acc[0]
+    total, _ = ops._fold_finish_op(acc, grads, offsets, numels, acc[3], acc[0], False, backend)
+    assert torch.equal(acc, expected) and torch.equal(total, expected.double().square().sum().float())
+    expected = acc * acc[5]
+    ops._scale_op(acc, offsets, numels, acc[5], None, backend)
+    assert torch.equal(acc, expected)
