@@ -91,6 +91,9 @@ class _Group:
     published_version: int | None = None
     # Whether each published view has a release hook (its parameter required grad when it was handed out).
     hooked: list[bool] = field(default_factory=list)
+    # Whether each view's release hook found it still in p.grad (a backward reached the parameter since): in eager
+    # mode the view is gone from p.grad then; under compiled autograd the release comes after the accumulation.
+    release_ran: list[bool] = field(default_factory=list)
     # Buckets folded in the open micro-batch (the first fold of a window's first micro-batch overwrites).
     bucket_touched: list[bool] = field(default_factory=list)
     # (sum of squares, non-finite flag) of each bucket finished during the last micro-batch of a window.
@@ -866,15 +869,19 @@ class GradAccumulator(torch.optim.Optimizer):
     def _tell_others(
         self, before: dict[GradAccumulator, list[tuple[torch.Tensor, torch.Tensor | None, int]]], micro: _MicroBatch
     ) -> None:
-        """After a weighted backward(): the other accumulators whose parameters it gave gradients learn its weight."""
+        """After a weighted backward(): the other accumulators whose parameters it gave gradients learn its weight,
+        and so do those over the same FSDP2 model while FSDP holds the gradients unreduced (its sync off), which
+        no ``p.grad`` shows yet."""
+        unreduced = self._sync.unreduced_fingerprint()
         for other, params in before.items():
             produced = [
                 (weakref.ref(param.grad), param.grad._version)
                 for param, grad, version in params
                 if param.grad is not None and (param.grad is not grad or param.grad._version != version)
             ]
-            if produced:
-                other._weighted_elsewhere = _WeightedElsewhere(micro.given, micro.weight, produced)
+            held = unreduced if unreduced is not None and other._sync.same_model(self._sync) else None
+            if produced or held is not None:
+                other._weighted_elsewhere = _WeightedElsewhere(micro.given, micro.weight, produced, held)
 
     def _weight_from_elsewhere(self) -> _WeightedElsewhere | None:
         """The weighted backward() of another accumulator that gave some ``p.grad`` this step() would fold, if any."""
@@ -890,6 +897,9 @@ class GradAccumulator(torch.optim.Optimizer):
         for ref, version in record.produced:
             grad = ref()
             if grad is not None and held.get(id(grad)) == version:
+                return record
+        if record.unreduced is not None and record.unreduced == self._sync.unreduced_fingerprint():
+            if self._unreduced_since_step():  # what FSDP holds is that backward's, not folded here since
                 return record
         self._weighted_elsewhere = None  # its gradients were folded, released or replaced since
         return None
@@ -953,7 +963,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 the accumulation dtype (float32: 1.2e-38 to 3.4e38), also once divided by ``grad_scaler``'s scale
                 (checked on the device, like a device tensor); refused after ``backward()``, which takes it. After
                 another accumulator's ``backward(loss, weight=w)`` gave these parameters their gradients (two
-                optimizers over one model), it must be that ``w``. With
+                optimizers over one model), it must be that ``w`` (None where ``w`` is 1). With
                 ``normalization="mean"`` the window's weights must sum to at most 1 / the dtype's smallest normal
                 number (float32: 8.5e37), so that the scale 1 / sum is a normal number: a weight above it is
                 refused, a window whose sum goes beyond it is refused at its end.
@@ -1062,7 +1072,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "weight goes to its backward(loss, weight=w), not to step(): call step() without it"
             )
         elsewhere = self._weight_from_elsewhere() if micro is None else None
-        if elsewhere is not None and (weight is None or not _same_weight(weight, elsewhere.given)):
+        if elsewhere is not None and not _same_weight(weight, elsewhere.given):  # (None: 1)
             raise ValueError(
                 f"weight: gradients this step() would fold come from another accumulator's backward(loss, "
                 f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; give this step() the "
@@ -1138,9 +1148,6 @@ class GradAccumulator(torch.optim.Optimizer):
             else:
                 results = self._fold_all(grads, w, bad, last)
                 del grads  # the last micro-batch's gradients must not outlive the fold (memory)
-        for group in self._groups:  # the fold wrote the buffer the views handed out may still show
-            if group.published is not None:
-                group.published_version = _published_source(group)._version
         self._micro_step += 1
         self._stepped = False
         self._unreduced_seen = self._sync.unreduced_fingerprint()
@@ -1806,7 +1813,7 @@ class GradAccumulator(torch.optim.Optimizer):
         does one that another live accumulator over the same parameter handed out.
         """
         foreign = self._foreign_views()
-        self._check_published_unwritten()
+        self._check_released_in_time()
         held = []
         for group in self._groups:
             grads = [param.grad for param in group.params]
@@ -1820,36 +1827,28 @@ class GradAccumulator(torch.optim.Optimizer):
             held.append(ops.check_grads(group.buffer, grads, group.names))
         return held
 
-    def _check_published_unwritten(self) -> None:
+    def _check_released_in_time(self) -> None:
         """Refuse a finished gradient handed out (``p.grad`` still the view) that a backward added into in place.
 
-        The hook on each such parameter releases its view before autograd accumulates, so in eager mode a view still
-        in ``p.grad`` at ``step()`` got no gradient since. Under compiled autograd the hook's release takes effect only
-        after the traced backward ran, which accumulated into the view: the new gradient is then inside the finished
-        one and cannot be taken out. The views share their buffer's version counter; one written since the last step
-        (or fold) and not all zeros (``model.zero_grad(set_to_none=False)`` zeroes them in place, harmlessly) is
-        refused, before anything changes (a sync, on this rare path only)."""
-        suspects: list[tuple[str, torch.Tensor]] = []
-        for group in self._groups:
-            if group.published is None or group.published_version is None:
-                continue
-            if _published_source(group)._version == group.published_version:
-                continue
-            for index, param in enumerate(group.params):
-                if group.hooked[index] and _is_published(group, index, param.grad):
-                    suspects.append((group.names[index], param.grad))
-        if not suspects:
-            return
-        nonzero = torch.stack([self._sync.local_grad(view).ne(0).any() for _, view in suspects]).tolist()
-        written = [name for (name, _), flag in zip(suspects, nonzero, strict=True) if flag]
+        The hook on each such parameter releases its view before autograd accumulates, so in eager mode a view the
+        hook found in ``p.grad`` is gone from it once the backward returns. Under compiled autograd the release takes
+        effect only after the traced backward, which accumulated into the view: the new gradient is then inside the
+        finished one and cannot be taken out. Refused before anything changes."""
+        written = [
+            group.names[index]
+            for group in self._groups
+            if group.published is not None
+            for index, param in enumerate(group.params)
+            if group.release_ran[index] and _is_published(group, index, param.grad)
+        ]
         if written:
             raise RuntimeError(
                 f"step(): the p.grad of {', '.join(written[:3])}{' and others' if len(written) > 3 else ''} is still "
-                "the finished gradient handed to the last step, and was written in place since: a backward added "
-                "into it (under compiled autograd the hook that releases it before autograd accumulates takes effect "
-                "too late). Its new gradient cannot be taken apart from the old one: drop it with opt.zero_grad() and "
-                "run this micro-batch's backward again; call opt.zero_grad() after every step() under compiled "
-                "autograd. Nothing changed"
+                "the finished gradient handed to the last step, and a backward added into it: under compiled "
+                "autograd the hook that releases it before autograd accumulates takes effect too late. Its new "
+                "gradient cannot be taken apart from the old one: drop it with opt.zero_grad() and run this "
+                "micro-batch's backward again; call opt.zero_grad() after every step() under compiled autograd. "
+                "Nothing changed"
             )
 
     def _others_publishing(self) -> list[GradAccumulator]:
@@ -2193,6 +2192,7 @@ class GradAccumulator(torch.optim.Optimizer):
         source = _published_source(group)
         published: list[torch.Tensor | None] = []
         hooked: list[bool] = []
+        release_ran = [False] * len(group.params)
         wrap_grad, handles = self._sync.wrap_grad, self._published_hooks
         for param, had_grad, segment in zip(group.params, group.had_grad, buffer.views(source), strict=True):
             # A parameter with no gradient in the whole window keeps None, as plain PyTorch would.
@@ -2201,9 +2201,11 @@ class GradAccumulator(torch.optim.Optimizer):
             published.append(view)
             hooked.append(view is not None and param.requires_grad)
             if hooked[-1]:
-                handles.append(_register_grad_hook(param, _release_before_accumulation(param, view)))
+                hook = _release_before_accumulation(param, view, release_ran, len(hooked) - 1)
+                handles.append(_register_grad_hook(param, hook))
         group.published = published
         group.hooked = hooked
+        group.release_ran = release_ran
 
     def _discard_window(self) -> None:
         self._drop_reductions()
@@ -2526,6 +2528,7 @@ class _WeightedElsewhere:
     given: float | torch.Tensor  # the weight as its caller gave it
     weight: torch.Tensor  # as that backward counted it (float64 0-d; FSDP2: rounded to the loss's dtype)
     produced: list[tuple[weakref.ref, int]]  # the gradients it gave this accumulator's parameters, with versions
+    unreduced: Any = None  # FSDP2 with its sync off: what FSDP held unreduced after it (unreduced_fingerprint)
 
 
 def _same_weight(weight: Any, given: Any) -> bool:
@@ -2610,12 +2613,14 @@ def _register_grad_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], Any]
     return handle
 
 
-def _release_before_accumulation(param: torch.Tensor, view: torch.Tensor):
-    """A gradient hook that drops ``param.grad`` if it is still ``view`` before autograd accumulates into it."""
+def _release_before_accumulation(param: torch.Tensor, view: torch.Tensor, ran: list[bool], index: int):
+    """A gradient hook that drops ``param.grad`` if it is still ``view`` before autograd accumulates into it, and
+    notes in ``ran[index]`` that it did (``_check_released_in_time``)."""
 
     def hook(grad: torch.Tensor) -> None:
         if param.grad is view:
             param.grad = None
+            ran[index] = True
 
     return hook
 

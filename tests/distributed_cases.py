@@ -741,7 +741,8 @@ def _split_backward_cases(rank: int) -> dict[str, str]:
     weight=w) gives the second's parameters their gradients, so the second's step() takes the same weight, which
     under FSDP2 is in those gradients already (the loss was multiplied by it): counted, not applied again. Without
     it, that step() is refused, nothing changed (FSDP2 counted it 1: the window was off by the ratio of token counts
-    to micro-batches). Either equals one accumulator over the whole model, bitwise."""
+    to micro-batches). Either equals one accumulator over the whole model, bitwise; also under FSDP2 with its
+    gradient sync off for the early micro-batches, whose gradients FSDP holds unreduced (no p.grad shows them)."""
     import gafused
 
     said: dict[str, str] = {}
@@ -753,22 +754,25 @@ def _split_backward_cases(rank: int) -> dict[str, str]:
             first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
             first.step()
             for opt in rest:
-                if micro == 0:
+                if micro == 1:  # (a micro-batch of more than 1 token on each rank: without a weight it counts 1)
                     said[f"{kind} split step without the weight"] = _said(ValueError, opt.step)
                     said[f"{kind} split step without the weight micro_step"] = str(opt.micro_step)
                 opt.step(weight=x.shape[0])
             for opt in opts:
                 opt.zero_grad()
 
-    for kind in ("ddp", "fsdp"):
-        whole = _wrap(kind, rank)
-        window([gafused.GradAccumulator(torch.optim.SGD(whole.parameters(), lr=LR), N, model=whole)], whole, kind)
-        two = _wrap(kind, rank)
+    for case in ("ddp", "fsdp", "fsdp sync off"):
+        kind = case.split()[0]
+        whole, two = _wrap(kind, rank), _wrap(kind, rank)
+        if case == "fsdp sync off":  # opt.backward() turns it on for the window's last micro-batch
+            whole.set_requires_gradient_sync(False)
+            two.set_requires_gradient_sync(False)
+        window([gafused.GradAccumulator(torch.optim.SGD(whole.parameters(), lr=LR), N, model=whole)], whole, case)
         params = list(two.parameters())
         parts = (params[:2], params[2:])
-        window([gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=two) for part in parts], two, kind)
+        window([gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=two) for part in parts], two, case)
         equal = all(torch.equal(_full(a), _full(b)) for a, b in zip(two.parameters(), whole.parameters(), strict=True))
-        said[f"{kind} split backward equals one"] = str(equal)
+        said[f"{case} split backward equals one"] = str(equal)
         gc.collect()
     return said
 

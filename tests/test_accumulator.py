@@ -2211,9 +2211,9 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
 def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gradients(backend):
     """Two optimizers over one model (Muon and AdamW, say), each an accumulator: the first's backward(loss, weight=w)
     gives the second's parameters their gradients, which the second's step() folds. Counted 1 there, the two
-    windows weighed the micro-batches differently (silently). step() without that weight, or with another, is
-    refused, nothing changed; with it both equal one accumulator over the model, bitwise. Gradients the second got
-    otherwise since (zero_grad, then a plain backward) take any weight again."""
+    windows weighed the micro-batches differently (silently). step() without that weight (unless it is 1), or with
+    another, is refused, nothing changed; with it both equal one accumulator over the model, bitwise. Gradients the
+    second got otherwise since (zero_grad, then a plain backward) take any weight again."""
     whole, split = _model(), _model()
     one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 3, backend=backend)
     params = list(split.parameters())
@@ -2245,6 +2245,10 @@ def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gra
     first.zero_grad()
     second.step(weight=2)  # its own plain backward's gradients: any weight
     assert second.micro_step == 1
+    first.backward(_loss(split, *batches[1]), weight=1)
+    first.step()
+    second.step()  # no weight counts 1, the weight given
+    assert second.micro_step == 2
 
 
 def test_a_model_that_is_neither_ddp_nor_fsdp2_is_refused_and_a_compiled_one_is_told_what_to_pass():

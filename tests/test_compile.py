@@ -314,23 +314,33 @@ def test_a_backward_under_compiled_autograd_that_added_into_a_finished_gradient_
         torch.testing.assert_close(param, expected, rtol=0, atol=1e-15)
 
 
-def test_finished_gradients_zeroed_in_place_or_left_unused_are_not_refused():
-    """What the check above must let through, in eager: model.zero_grad(set_to_none=False) zeroes the finished
-    gradients in place (their buffer's version counter moves), and a parameter no micro-batch reaches keeps its
-    view while the window's folds write the buffer under it. Neither is a gradient added into a finished one."""
+def test_finished_gradients_changed_in_place_but_given_no_gradient_are_not_refused():
+    """What the check above must let through, in eager: finished gradients changed in place after the step
+    (clip_grad_norm_ scales every p.grad in place, by 1.0 too; model.zero_grad(set_to_none=False)) whose parameters
+    the next window gives no gradient, zero_grad() never called. No backward added into them: they are the
+    handed-out gradients they were, and the windows are plain PyTorch's."""
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
+    reference = copy.deepcopy(model)
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
-    x = torch.randn(4, 3, dtype=torch.float64)
-    for _ in range(2):
-        (model["used"](x) + model["spare"](x)).square().mean().backward()
-        opt.step(weight=1)
-    assert opt.stepped
-    model.zero_grad(set_to_none=False)  # the finished gradients, zeroed in place
-    for _ in range(4):  # spare gets no gradient in two windows; zero_grad() never called
-        model["used"](x).square().mean().backward()
-        opt.step(weight=1)
-    assert opt.stepped and opt.skipped_steps == 0
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(6)]
+    windows = [(xs[0:2], True, None), (xs[2:4], False, "clip"), (xs[4:6], False, "zero")]
+    for batch, both, change in windows:
+        if change == "zero":
+            model.zero_grad(set_to_none=False)  # the finished gradients, zeroed in place
+        for x in batch:
+            (model["used"](x) + (model["spare"](x) if both else 0)).square().mean().backward()
+            if change == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # every p.grad in place, by 1.0
+            opt.step(weight=1)
+        assert opt.stepped
+        plain.zero_grad()
+        whole = torch.cat(batch)
+        (reference["used"](whole) + (reference["spare"](whole) if both else 0)).square().mean().backward()
+        plain.step()
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, rtol=0, atol=1e-15)
 
 
 @pytest.mark.parametrize("name", ["reference", "foreach", "triton"])

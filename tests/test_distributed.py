@@ -364,12 +364,12 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert len(norms) == 3 and len(set(norms)) == 1, norms  # the factor is undone whatever it is
         assert said["fsdp bf16 loss weight as carried"] == "True"
         assert said["two accumulators equal one"] == "True"
-        for kind in ("ddp", "fsdp"):
-            assert said[f"{kind} split backward equals one"] == "True"
-            refused = said[f"{kind} split step without the weight"]
+        for case in ("ddp", "fsdp", "fsdp sync off"):
+            assert said[f"{case} split backward equals one"] == "True"
+            refused = said[f"{case} split step without the weight"]
             assert "come from another accumulator's backward(loss, weight=" in refused, refused
             assert "give this step() the same weight" in refused and "(got None;" in refused, refused
-            assert said[f"{kind} split step without the weight micro_step"] == "0"
+            assert said[f"{case} split step without the weight micro_step"] == "1"
         assert "4 parameter(s) of the DDP model" in said["plain second optimizer"]
         assert "e.g. 2.weight" in said["plain second optimizer"]
         assert said["plain second optimizer micro_step"] == str(cases.N - 1)
