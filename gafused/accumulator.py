@@ -875,11 +875,11 @@ class GradAccumulator(torch.optim.Optimizer):
         unreduced = self._sync.unreduced_fingerprint()
         for other, params in before.items():
             produced = [
-                (weakref.ref(param.grad), param.grad._version)
+                weakref.ref(param.grad)
                 for param, grad, version in params
                 if param.grad is not None and (param.grad is not grad or param.grad._version != version)
             ]
-            held = unreduced if unreduced is not None and other._sync.same_model(self._sync) else None
+            held = _held_ids(unreduced) if unreduced is not None and other._sync.same_model(self._sync) else None
             if produced or held is not None:
                 other._weighted_elsewhere = _WeightedElsewhere(micro.given, micro.weight, produced, held)
 
@@ -888,17 +888,14 @@ class GradAccumulator(torch.optim.Optimizer):
         record = self._weighted_elsewhere
         if record is None:
             return None
-        held = {
-            id(param.grad): param.grad._version
-            for group in self._groups
-            for param in group.params
-            if param.grad is not None
-        }
-        for ref, version in record.produced:
+        # By identity: a plain backward that added into them since (an auxiliary loss) leaves them that micro-batch's,
+        # as the other accumulator folds its own such gradients with the micro-batch's weight.
+        held = {id(param.grad) for group in self._groups for param in group.params if param.grad is not None}
+        for ref in record.produced:
             grad = ref()
-            if grad is not None and held.get(id(grad)) == version:
+            if grad is not None and id(grad) in held:
                 return record
-        if record.unreduced is not None and record.unreduced == self._sync.unreduced_fingerprint():
+        if record.unreduced is not None and record.unreduced == _held_ids(self._sync.unreduced_fingerprint()):
             if self._unreduced_since_step():  # what FSDP holds is that backward's, not folded here since
                 return record
         self._weighted_elsewhere = None  # its gradients were folded, released or replaced since
@@ -963,7 +960,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 the accumulation dtype (float32: 1.2e-38 to 3.4e38), also once divided by ``grad_scaler``'s scale
                 (checked on the device, like a device tensor); refused after ``backward()``, which takes it. After
                 another accumulator's ``backward(loss, weight=w)`` gave these parameters their gradients (two
-                optimizers over one model), it must be that ``w`` (None where ``w`` is 1). With
+                optimizers over one model), it must be that ``w``. With
                 ``normalization="mean"`` the window's weights must sum to at most 1 / the dtype's smallest normal
                 number (float32: 8.5e37), so that the scale 1 / sum is a normal number: a weight above it is
                 refused, a window whose sum goes beyond it is refused at its end.
@@ -1072,7 +1069,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 "weight goes to its backward(loss, weight=w), not to step(): call step() without it"
             )
         elsewhere = self._weight_from_elsewhere() if micro is None else None
-        if elsewhere is not None and not _same_weight(weight, elsewhere.given):  # (None: 1)
+        # (None is refused even where the weight was 1: every rank must decide alike, whatever its own weight.)
+        if elsewhere is not None and (weight is None or not _same_weight(weight, elsewhere.given)):
             raise ValueError(
                 f"weight: gradients this step() would fold come from another accumulator's backward(loss, "
                 f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; give this step() the "
@@ -1151,6 +1149,8 @@ class GradAccumulator(torch.optim.Optimizer):
         self._micro_step += 1
         self._stepped = False
         self._unreduced_seen = self._sync.unreduced_fingerprint()
+        if elsewhere is not None:
+            self._weighted_elsewhere = None  # counted: what FSDP holds next is another micro-batch's
         if last:
             with self._discarded_on_failure("the window's end failed", unless_ended=True):
                 if self._global:
@@ -2527,8 +2527,13 @@ class _WeightedElsewhere:
 
     given: float | torch.Tensor  # the weight as its caller gave it
     weight: torch.Tensor  # as that backward counted it (float64 0-d; FSDP2: rounded to the loss's dtype)
-    produced: list[tuple[weakref.ref, int]]  # the gradients it gave this accumulator's parameters, with versions
-    unreduced: Any = None  # FSDP2 with its sync off: what FSDP held unreduced after it (unreduced_fingerprint)
+    produced: list[weakref.ref]  # the gradients it gave this accumulator's parameters
+    unreduced: tuple[int, ...] | None = None  # FSDP2, its sync off: the ids of what FSDP held unreduced after it
+
+
+def _held_ids(fingerprint: Any) -> tuple[int, ...] | None:
+    """The tensors of an ``unreduced_fingerprint`` (pairs of id and version), by id alone."""
+    return None if fingerprint is None else tuple(identity for identity, _ in fingerprint)
 
 
 def _same_weight(weight: Any, given: Any) -> bool:

@@ -754,7 +754,7 @@ def _split_backward_cases(rank: int) -> dict[str, str]:
             first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
             first.step()
             for opt in rest:
-                if micro == 1:  # (a micro-batch of more than 1 token on each rank: without a weight it counts 1)
+                if micro == 1:
                     said[f"{kind} split step without the weight"] = _said(ValueError, opt.step)
                     said[f"{kind} split step without the weight micro_step"] = str(opt.micro_step)
                 opt.step(weight=x.shape[0])

@@ -2211,9 +2211,9 @@ def test_a_step_without_gradients_or_weight_is_refused(loop, mistake):
 def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gradients(backend):
     """Two optimizers over one model (Muon and AdamW, say), each an accumulator: the first's backward(loss, weight=w)
     gives the second's parameters their gradients, which the second's step() folds. Counted 1 there, the two
-    windows weighed the micro-batches differently (silently). step() without that weight (unless it is 1), or with
-    another, is refused, nothing changed; with it both equal one accumulator over the model, bitwise. Gradients the
-    second got otherwise since (zero_grad, then a plain backward) take any weight again."""
+    windows weighed the micro-batches differently (silently). step() without that weight (even 1: ranks must
+    decide alike), or with another, is refused, nothing changed; with it both equal one accumulator over the model,
+    bitwise. Gradients the second got otherwise since (zero_grad, then a plain backward) take any weight again."""
     whole, split = _model(), _model()
     one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 3, backend=backend)
     params = list(split.parameters())
@@ -2247,8 +2247,38 @@ def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gra
     assert second.micro_step == 1
     first.backward(_loss(split, *batches[1]), weight=1)
     first.step()
-    second.step()  # no weight counts 1, the weight given
+    with pytest.raises(ValueError, match=r"weight=1\).*\(got None;"):  # ranks must decide alike, whatever their weight
+        second.step()
+    second.step(weight=1)
     assert second.micro_step == 2
+
+
+def test_an_auxiliary_loss_added_by_plain_backward_keeps_the_second_accumulators_weight(backend):
+    """After first.backward(loss, weight=w), a plain backward of an auxiliary loss adds into the second's gradients
+    (in place): still that micro-batch's, which the first folds with w too. The second's step() without w was
+    accepted and counted 1 (0.002 off); now it is refused, and with w both equal one accumulator over the model."""
+    whole, split = _model(), _model()
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    for x, y in _data([2, 7]):
+        one.backward(_loss(whole, x, y), weight=len(x))
+        (0.1 * whole(x).abs().mean()).backward()
+        one.step()
+        one.zero_grad()
+        first.backward(_loss(split, x, y), weight=len(x))
+        (0.1 * split(x).abs().mean()).backward()
+        first.step()
+        with pytest.raises(ValueError, match=rf"backward\(loss, weight={len(x)}\).*\(got None;"):
+            second.step()
+        second.step(weight=len(x))
+        first.zero_grad()
+        second.zero_grad()
+    assert one.stepped and first.stepped and second.stepped
+    # w * (g + aux) folded at once here, w * g then w * aux there: a few float64 roundings apart.
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
 
 
 def test_a_model_that_is_neither_ddp_nor_fsdp2_is_refused_and_a_compiled_one_is_told_what_to_pass():

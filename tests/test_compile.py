@@ -178,6 +178,30 @@ def test_the_ops_are_in_one_compiled_graph(name, backend):
     torch._dynamo.reset()
 
 
+def test_a_release_noted_in_one_window_does_not_refuse_the_next_windows_finished_gradient():
+    """The loss.backward(); opt.step() loop without zero_grad(): a parameter reached by the first micro-batch of one
+    window (its release hook ran there) and not by the next window's first micro-batch keeps that window's finished
+    gradient, untouched: each window's marks are its own. Not refused; the windows are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(6)]
+    reaches_spare = [True, True, True, True, False, True]  # window 2's first micro-batch leaves spare alone
+    for window in range(3):
+        plain.zero_grad()
+        for index in (2 * window, 2 * window + 1):
+            for net, scale in ((model, 1.0), (reference, 0.5)):
+                out = net["used"](xs[index]) + (net["spare"](xs[index]) if reaches_spare[index] else 0)
+                (scale * out.square().mean()).backward()
+            opt.step(weight=1)
+        plain.step()
+        assert opt.stepped
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("name", ["reference", "foreach", "triton"])
 def test_a_scalar_in_the_buffers_memory_is_read_before_a_compiled_op_writes_and_an_out_there_is_refused(name, backend):
