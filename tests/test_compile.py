@@ -178,16 +178,22 @@ def test_the_ops_are_in_one_compiled_graph(name, backend):
     torch._dynamo.reset()
 
 
-def test_a_release_noted_in_one_window_does_not_refuse_the_next_windows_finished_gradient():
-    """The loss.backward(); opt.step() loop without zero_grad(): a parameter reached by the first micro-batch of one
-    window (its release hook ran there) and not by the next window's first micro-batch keeps that window's finished
-    gradient, untouched: each window's marks are its own. Not refused; the windows are plain PyTorch's."""
+def _two_heads():
+    """A model of two heads, a copy trained by plain SGD, an accumulator of 2 over the first, and 6 micro-batches."""
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
     reference = copy.deepcopy(model)
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(6)]
+    return model, reference, opt, plain, xs
+
+
+def test_a_release_noted_in_one_window_does_not_refuse_the_next_windows_finished_gradient():
+    """The loss.backward(); opt.step() loop without zero_grad(): a parameter reached by the first micro-batch of one
+    window (its release hook ran there) and not by the next window's first micro-batch keeps that window's finished
+    gradient, untouched: each window's marks are its own. Not refused; the windows are plain PyTorch's."""
+    model, reference, opt, plain, xs = _two_heads()
     reaches_spare = [True, True, True, True, False, True]  # window 2's first micro-batch leaves spare alone
     for window in range(3):
         plain.zero_grad()
@@ -343,12 +349,7 @@ def test_finished_gradients_changed_in_place_but_given_no_gradient_are_not_refus
     (clip_grad_norm_ scales every p.grad in place, by 1.0 too; model.zero_grad(set_to_none=False)) whose parameters
     the next window gives no gradient, zero_grad() never called. No backward added into them: they are the
     handed-out gradients they were, and the windows are plain PyTorch's."""
-    torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
-    reference = copy.deepcopy(model)
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
-    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(6)]
+    model, reference, opt, plain, xs = _two_heads()
     windows = [(xs[0:2], True, None), (xs[2:4], False, "clip"), (xs[4:6], False, "zero")]
     for batch, both, change in windows:
         if change == "zero":
