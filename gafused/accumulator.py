@@ -2081,11 +2081,12 @@ class GradAccumulator(torch.optim.Optimizer):
     def _refused_weights_cause(self) -> str:
         """Why a window's end refused its weights (an error path: reading the flags may cost more syncs)."""
         tiny, top, dtype = self._weight_range
+        name = str(dtype).removeprefix("torch.")
         causes = []
         if self._bad_weight is not None and bool(self._bad_weight):
             cause = (
                 f"a weight of this window was refused at its end: one given as a device tensor was negative, nan, inf "
-                f"or outside {str(dtype).removeprefix('torch.')}'s normal range ({tiny:.3g} to {top:.3g})"
+                f"or outside {name}'s normal range ({tiny:.3g} to {top:.3g})"
             )
             inverse = None if self._inv_loss_scale is None else self._inv_loss_scale.item()
             if self._grad_scaler is not None and inverse != 0:  # (0: an infinite scale takes every weight to 0)
@@ -2099,8 +2100,8 @@ class GradAccumulator(torch.optim.Optimizer):
         if self.normalization == "mean" and total > self._largest_mean_sum:
             causes.append(
                 f"this window's weights sum to {total:.4g}, beyond {self._largest_mean_sum:.4g}: "
-                "with normalization='mean' the window is scaled by 1 / that sum, which must be a normal "
-                f"{str(dtype).removeprefix('torch.')} number; rescale the weights (only their ratios matter)"
+                f"with normalization='mean' the window is scaled by 1 / that sum, which must be a normal {name} "
+                "number; rescale the weights (only their ratios matter)"
             )
         return "; ".join(causes)
 

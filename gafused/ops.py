@@ -291,18 +291,22 @@ def _check_op_tensors(
             f"out must be a contiguous 1-D float16, bfloat16, float32 or float64 tensor of {acc.numel()} elements on "
             f"{acc.device}, aligned to its element size; got {out.dtype} of shape {tuple(out.shape)} on {out.device}"
         )
+    _check_out_apart(out, acc)
 
 
-def _op_scalars(acc: torch.Tensor, out: torch.Tensor | None, **scalars: torch.Tensor) -> list[torch.Tensor]:
-    """The registered ops' scalars as a backend reads them: each a 0-d tensor of ``acc``'s dtype on its device (what
-    ``_scalar`` makes; a backend reads one value of that dtype), copied where it is in the memory the op writes (a
-    compiled call's ``_scalar`` could not copy it: no tensor had memory while tracing). Also refuses an ``out`` in
-    ``acc``'s memory, which the eager ``scale_`` refuses before this."""
+def _check_out_apart(out: torch.Tensor | None, acc: torch.Tensor) -> None:
+    """Refuse an ``out`` in ``acc``'s memory (the eager ``scale_`` and the registered op alike)."""
     if out is not None and _same_storage(out, acc):
         raise ValueError(
             "out shares memory with the buffer (a view of its storage): the op would write what it still reads; "
             "pass a tensor of its own, or no out to scale the buffer in place"
         )
+
+
+def _op_scalars(acc: torch.Tensor, out: torch.Tensor | None, **scalars: torch.Tensor) -> list[torch.Tensor]:
+    """The registered ops' scalars as a backend reads them: each a 0-d tensor of ``acc``'s dtype on its device (what
+    ``_scalar`` makes; a backend reads one value of that dtype), copied where it is in the memory the op writes (a
+    compiled call's ``_scalar`` could not copy it: no tensor had memory while tracing)."""
     checked = []
     for name, value in scalars.items():
         if value.layout != torch.strided or value.dim() != 0 or value.dtype != acc.dtype or value.device != acc.device:
@@ -810,11 +814,7 @@ def scale_(
                 f"out must start at a multiple of its {out.element_size()}-byte element size, got a view of storage "
                 "cut at an odd byte"
             )
-        if out is not None and _shares_memory(out, buffer):
-            raise ValueError(
-                "out shares memory with the buffer (a view of its storage): the op would write what it still reads; "
-                "pass a tensor of its own, or no out to scale the buffer in place"
-            )
+        _check_out_apart(out, buffer.data)
         _backend_for(buffer.data, name).scale_(buffer.data, buffer.offsets, buffer.numels, c, out)
     else:
         _scale_op(buffer.data, buffer.offsets, buffer.numels, c, out, name)
