@@ -587,8 +587,10 @@ def _results_file(option: str, path: Path) -> dict:
         results = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         _refuse(f"{option}: {path} is not a results JSON written by bench/run.py ({error})")
-    if not (isinstance(results, dict) and isinstance(results.get("meta"), dict) and "device_type" in results["meta"]):
-        _refuse(f"{option}: {path} is JSON, but not results written by bench/run.py (no meta.device_type)")
+    meta = results.get("meta") if isinstance(results, dict) else None
+    missing = [key for key in ("device_type", "device") if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        _refuse(f"{option}: {path} is JSON, but not results written by bench/run.py (no meta.{missing[0]})")
     return results
 
 

@@ -389,6 +389,9 @@ class GradAccumulator(torch.optim.Optimizer):
         # Gradients the GradScaler unscaled in p.grad (a refused step()), by parameter, held weakly: while any is
         # still a p.grad, no step() or backward() may fold it.
         self._unscaled_grads: list[tuple[torch.Tensor, weakref.ref]] = []
+        # Set while the step pre-hooks and the inner step run (the finished gradients in p.grad, the window not closed
+        # yet): the calls that read or move the window are refused from there (_check_not_stepping).
+        self._stepping = False
         self._ready: set[tuple[int, int]] = set()
         self._pending: dict[tuple[int, int], Any] = {}
         # Gradients that reached a bucket after its reduction had started (see _fold_late), per bucket.
@@ -706,7 +709,36 @@ class GradAccumulator(torch.optim.Optimizer):
         Returns:
             A handle whose ``remove()`` unregisters the hook.
         """
-        return super().register_step_pre_hook(hook)
+        return super().register_step_pre_hook(_callable_hook(hook, "register_step_pre_hook"))
+
+    # torch.optim.Optimizer registers any object; one that cannot be called would fail only when it runs (a window
+    # discarded at its end, a load_state_dict() that loaded everything and then raised): refused here instead.
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
+        return super().register_step_post_hook(_callable_hook(hook, "register_step_post_hook"))
+
+    def register_state_dict_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> torch.utils.hooks.RemovableHandle:
+        return super().register_state_dict_pre_hook(_callable_hook(hook, "register_state_dict_pre_hook"), prepend)
+
+    def register_state_dict_post_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> torch.utils.hooks.RemovableHandle:
+        return super().register_state_dict_post_hook(_callable_hook(hook, "register_state_dict_post_hook"), prepend)
+
+    def register_load_state_dict_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> torch.utils.hooks.RemovableHandle:
+        return super().register_load_state_dict_pre_hook(
+            _callable_hook(hook, "register_load_state_dict_pre_hook"), prepend
+        )
+
+    def register_load_state_dict_post_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> torch.utils.hooks.RemovableHandle:
+        return super().register_load_state_dict_post_hook(
+            _callable_hook(hook, "register_load_state_dict_post_hook"), prepend
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the buffers are laid out for the parameters the accumulator was built with.
@@ -764,8 +796,10 @@ class GradAccumulator(torch.optim.Optimizer):
             create_graph: as in ``torch.autograd.backward``.
             inputs: as in ``torch.autograd.backward``.
         """
+        self._check_not_stepping("backward()")
         ops.check_bool(end_window, "end_window")
         _check_loss(loss)
+        _check_autograd_options(retain_graph, create_graph, inputs)
         if self._unscaled_grads and self._holds_unscaled_grads():
             raise RuntimeError(
                 "backward(): p.grad holds gradients the grad_scaler unscaled (a step() was refused for it), to which "
@@ -975,6 +1009,7 @@ class GradAccumulator(torch.optim.Optimizer):
         Returns:
             The closure's result, or None without a closure.
         """
+        self._check_not_stepping("step()")
         if closure is not None and not callable(closure):
             raise TypeError(
                 f"step(): closure must be callable or None, got {type(closure).__name__}; a micro-batch weight is "
@@ -1188,6 +1223,7 @@ class GradAccumulator(torch.optim.Optimizer):
         With ``model=`` it is a collective call: every rank calls it, after the same number of micro-batches, and a
         refusal on one rank makes every rank raise.
         """
+        self._check_not_stepping("flush()")
         refusal: Exception | None = None
         try:
             self._check_param_set(identity=True)
@@ -1285,6 +1321,7 @@ class GradAccumulator(torch.optim.Optimizer):
             set_to_none: accepted for drop-in compatibility; gradients are released either way, since a
                 zero-filled ``p.grad`` would only be folded as zeros.
         """
+        self._check_not_stepping("zero_grad()")
         micro = self._micro
         # torch.distributed.checkpoint releases the zeros it stepped the inner optimizer with: not the user's call.
         if micro is not None and not _called_from_dcp("_init_optim_state"):
@@ -1956,6 +1993,17 @@ class GradAccumulator(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
+    def _check_not_stepping(self, call: str) -> None:
+        """Refuse ``call`` from a step pre-hook or the inner optimizer's step: the window is being finished (its
+        gradients scaled and handed to ``p.grad``, ``micro_step`` still its last), so a call that reads or moves it
+        would step it twice, release what the inner step is about to read, or save a half-finished window."""
+        if self._stepping:
+            raise RuntimeError(
+                f"{call}: called while the window's inner step runs (from a step pre-hook or the inner optimizer's "
+                "step); the window is not closed until that step returns: call it from a step post-hook or after "
+                "step() returns"
+            )
+
     def _finish(self, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Norm, non-finite check (the step's one host sync), clip, inner step; then a new window.
 
@@ -2010,13 +2058,17 @@ class GradAccumulator(torch.optim.Optimizer):
                 # scaler is left as it is.
                 self._skip_window(None)
                 return
-            for pre_hook in list(self._optimizer_step_pre_hooks.values()):
-                if not _no_new_step_arguments(pre_hook(self, (), {})):
-                    raise RuntimeError(
-                        "a GradAccumulator step pre-hook must return None (or the empty arguments it was given): it "
-                        "runs before the inner step, which takes no arguments to change"
-                    )
-            self._optimizer.step()
+            self._stepping = True
+            try:
+                for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+                    if not _no_new_step_arguments(pre_hook(self, (), {})):
+                        raise RuntimeError(
+                            "a GradAccumulator step pre-hook must return None (or the empty arguments it was given): "
+                            "it runs before the inner step, which takes no arguments to change"
+                        )
+                self._optimizer.step()
+            finally:
+                self._stepping = False
         except BaseException as error:
             self._discard_window()
             _add_note(
@@ -2248,6 +2300,7 @@ class GradAccumulator(torch.optim.Optimizer):
         hooks registered on the accumulator run as ``torch.optim.Optimizer.state_dict`` runs them, around this
         whole dict.
         """
+        self._check_not_stepping("state_dict()")
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
         # A checkpoint of a window laid out for other parameters than the inner optimizer's would load nowhere.
@@ -2324,6 +2377,7 @@ class GradAccumulator(torch.optim.Optimizer):
             state_dict: a dict from ``state_dict()`` of an accumulator over the same parameters, or a plain
                 optimizer's ``state_dict()`` over them (between windows only: it holds no window).
         """
+        self._check_not_stepping("load_state_dict()")
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch.optim.Optimizer does: hooks may replace entries
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -2643,6 +2697,8 @@ def _check_loss(loss: Any) -> None:
     """What ``backward()`` backpropagates: a one-element tensor with a graph (refused before anything changes)."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"backward(): loss must be a tensor, got {type(loss).__name__}")
+    if not loss.is_floating_point():
+        raise TypeError(f"backward(): loss must be a real floating-point tensor, got {loss.dtype}")
     if loss.numel() != 1:
         raise ValueError(
             f"backward(): loss must have one element (reduce it with mean() or sum()), got shape {tuple(loss.shape)}"
@@ -2652,6 +2708,29 @@ def _check_loss(loss: Any) -> None:
             "backward(): loss does not require grad: it was computed under torch.no_grad() or inference_mode(), "
             "or from no parameter that requires grad"
         )
+
+
+def _callable_hook(hook: Any, method: str) -> Callable[..., Any]:
+    """``hook`` for ``method``, refused unless it can be called."""
+    if not callable(hook):
+        raise TypeError(f"{method}(): hook must be callable, got {type(hook).__name__}")
+    return hook
+
+
+def _check_autograd_options(retain_graph: Any, create_graph: Any, inputs: Any) -> None:
+    """``backward()``'s options for ``torch.autograd.backward``, refused by name before anything changes."""
+    if retain_graph is not None:
+        ops.check_bool(retain_graph, "backward(): retain_graph")
+    ops.check_bool(create_graph, "backward(): create_graph")
+    if inputs is None or isinstance(inputs, (torch.Tensor, torch.autograd.graph.GradientEdge)):
+        return
+    if not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"backward(): inputs must be None, a tensor or a list of tensors, got {type(inputs).__name__}")
+    if not inputs:
+        raise ValueError("backward(): inputs must not be empty (None backpropagates into every leaf)")
+    for index, item in enumerate(inputs):
+        if not isinstance(item, (torch.Tensor, torch.autograd.graph.GradientEdge)):
+            raise TypeError(f"backward(): inputs[{index}] must be a tensor, got {type(item).__name__}")
 
 
 def _warn_of_frozen_parameters(groups: list[_Group]) -> None:

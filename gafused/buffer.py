@@ -134,6 +134,8 @@ class FlatGradBuffer:
         alignment_bytes: int = 64,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
+        if isinstance(params, torch.Tensor):  # list() would make its rows the parameters
+            raise TypeError("FlatGradBuffer: params must be a sequence of tensors, got one tensor: pass [tensor]")
         params = list(params)
         if not params:
             raise ValueError("FlatGradBuffer: params must hold at least one tensor")

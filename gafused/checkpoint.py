@@ -284,6 +284,7 @@ def validated_window(acc: GradAccumulator, window: Any) -> dict[str, Any]:
                 f"{where}['segments']: expected a dense flat float32 or float64 tensor of {total} elements "
                 f"holding data, not on the meta device (the window is open at micro_step {micro_step})"
             )
+    _check_sum_scalable(acc, window, flagged)
     # Checked after the buffers, which say first when the checkpoint is of other parameters.
     lrs = window.get("window_lrs")  # the open window's (between windows nothing reads them)
     if lrs is not None and (
@@ -309,6 +310,24 @@ def by_identity(value: Any) -> bool:
     """Whether a learning rate was recorded by identity, as a device tensor is (a tuple or, after a torch.save round
     trip, a list)."""
     return isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] == "tensor"
+
+
+def _check_sum_scalable(acc: GradAccumulator, window: dict[str, Any], flagged: bool) -> None:
+    """With normalization="mean", refuse an open window whose weight sum the checkpoint's own buffers could scale by
+    (1 / sum a normal number of their dtype) and this accumulator's cannot (a float64 window into float32 buffers):
+    loaded, it would be refused at its end, with the micro-batches run since. A sum that no buffer of either could
+    scale by loads: its own accumulator's window end refuses it too."""
+    if acc.normalization != "mean" or flagged:
+        return
+    total = window["weight_sum"].item()
+    saved_dtype = max((entry["segments"].dtype for entry in window["buffers"]), key=lambda d: torch.finfo(d).tiny)
+    if acc._largest_mean_sum < total <= 1 / torch.finfo(saved_dtype).tiny:
+        raise ValueError(
+            f"state_dict['gafused']['weight_sum']: the open window's weights sum to {total:.4g}, which its "
+            f"{saved_dtype} buffers can scale by 1 / sum (normalization='mean') and this accumulator's "
+            f"{acc._weight_range[2]} buffers cannot (at most {acc._largest_mean_sum:.4g}): resume it with "
+            f"accum_dtype={saved_dtype}, or load a checkpoint taken between windows"
+        )
 
 
 def _possible_weight_sum(value: float, tiny: float) -> bool:

@@ -120,7 +120,15 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     CUDA device where torch sees none. (The ops themselves still take CUDA tensors there under FakeTensorMode.)"""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"available_backends(): device must be a torch.device, a str, an index or None, got {type(device).__name__}"
+        )
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"available_backends(): device {device!r} names no device here: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
         return []
     return [name for name in BACKENDS if backend_unavailable_reason(name, device) is None]
 
@@ -679,7 +687,7 @@ def _bad_grad(buffer: FlatGradBuffer, grads_index: int, grad: object, names: Seq
 
 def _checked(buffer: FlatGradBuffer, grads: Sequence[torch.Tensor | None], check: bool) -> list[torch.Tensor | None]:
     """The gradients a backend gets: checked now, or as the caller's earlier ``check_grads`` returned them."""
-    if check:
+    if check_bool(check, "check"):
         return check_grads(buffer, grads)
     _check_buffer(buffer)
     return grads if type(grads) is CheckedGrads else list(grads)

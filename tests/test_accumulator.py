@@ -928,6 +928,37 @@ def test_available_backends_lists_reference():
     assert "reference" in gafused.available_backends("cpu")
 
 
+@pytest.mark.parametrize(
+    "device, error, message",
+    [
+        ("xyz", ValueError, r"available_backends\(\): device 'xyz' names no device here"),
+        (True, TypeError, r"available_backends\(\): device must be a torch.device, a str, an index or None, got bool"),
+        (2.0, TypeError, r"available_backends\(\): device must be .* got float"),
+    ],
+)
+def test_available_backends_names_a_bad_device(device, error, message):
+    with pytest.raises(error, match=message):
+        gafused.available_backends(device)
+
+
+@pytest.mark.parametrize("check", ["no", 0, None])
+@pytest.mark.parametrize("op", ["fold_", "fold_finish_"])
+def test_the_ops_check_flag_must_be_a_bool(op, check):
+    """check="no" would run the checks (a truthy str), 0 or None skip them: refused, the buffer untouched."""
+    buffer = gafused.FlatGradBuffer([torch.nn.Parameter(torch.zeros(4))])
+    buffer.data.fill_(7.0)
+    extra = {"weight": 1.0, "scale": 1.0} if op == "fold_finish_" else {}
+    with pytest.raises(TypeError, match="check must be a bool, got"):
+        getattr(ops, op)(buffer, [torch.ones(4)], first=True, check=check, **extra)
+    assert torch.equal(buffer.data, torch.full_like(buffer.data, 7.0))
+
+
+def test_a_flat_grad_buffer_of_one_tensor_instead_of_a_list_is_refused():
+    """list() of a (3, 2) tensor is its three rows: a buffer of three parameters of 2 elements, silently."""
+    with pytest.raises(TypeError, match=r"params must be a sequence of tensors, got one tensor: pass \[tensor\]"):
+        gafused.FlatGradBuffer(torch.nn.Parameter(torch.zeros(3, 2)))
+
+
 def _state(model, opt):
     return (
         opt.micro_step,
@@ -2397,6 +2428,86 @@ def test_a_step_pre_hook_may_hand_back_its_empty_arguments():
         micro_batch(opt, _loss(model, x, y), "step", weight=3)
     assert opt.micro_step == 0 and not opt.stepped
     assert "cannot change the step's arguments" in GradAccumulator.register_step_pre_hook.__doc__
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "register_step_pre_hook",
+        "register_step_post_hook",
+        "register_state_dict_pre_hook",
+        "register_state_dict_post_hook",
+        "register_load_state_dict_pre_hook",
+        "register_load_state_dict_post_hook",
+    ],
+)
+def test_a_hook_that_cannot_be_called_is_refused_when_registered(method):
+    """torch.optim.Optimizer registers anything; a hook that cannot be called would fail only when it runs, after a
+    whole window (discarded then) or after load_state_dict() loaded everything. Refused by name, nothing registered."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    with pytest.raises(TypeError, match=rf"{method}\(\): hook must be callable, got int"):
+        getattr(opt, method)(5)
+    x, y = _data([2])[0]
+    opt.backward(_loss(model, x, y))
+    opt.step()
+    assert opt.stepped
+    opt.load_state_dict(opt.state_dict())
+    calls = []
+    getattr(opt, method)(lambda *args: calls.append(1))  # a callable one is registered as by torch
+    opt.load_state_dict(opt.state_dict())
+    opt.backward(_loss(model, x, y))
+    opt.step()
+    assert calls
+
+
+_CALLS_WHILE_STEPPING = {
+    "step": lambda opt, loss: opt.step(weight=1.0),
+    "step(end_window)": lambda opt, loss: opt.step(weight=1.0, end_window=True),
+    "flush": lambda opt, loss: opt.flush(),
+    "backward": lambda opt, loss: opt.backward(loss),
+    "zero_grad": lambda opt, loss: opt.zero_grad(),
+    "state_dict": lambda opt, loss: opt.state_dict(),
+    "load_state_dict": lambda opt, loss: opt.load_state_dict(opt._saved),
+}
+
+
+@pytest.mark.parametrize("hooked", ["accumulator", "inner"])
+@pytest.mark.parametrize("call", list(_CALLS_WHILE_STEPPING))
+def test_window_calls_while_the_inner_step_runs_are_refused_and_the_window_steps_once(backend, loop, call, hooked):
+    """A step pre-hook (the accumulator's or the inner optimizer's) runs with the finished gradients in p.grad and
+    the window not closed: a call there that reads or moves the window would step it twice, release what the inner
+    step reads, or save a half-finished window. Refused, naming the call; the window steps once, as the big batch."""
+    model, reference = _model(), _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = GradAccumulator(inner, 2, backend=backend)
+    opt._saved = opt.state_dict()
+    steps, refused = [], []
+
+    def pre_hook(optimizer, args, kwargs):
+        if refused:  # a second call would mean the window was finished again
+            refused.append("called again")
+            return
+        x, y = _data([2], seed=5)[0]
+        try:
+            _CALLS_WHILE_STEPPING[call](opt, _loss(model, x, y))
+        except RuntimeError as error:
+            refused.append(str(error))
+
+    handle = (opt if hooked == "accumulator" else inner).register_step_pre_hook(pre_hook)
+    inner.register_step_post_hook(lambda *_: steps.append(1))
+    batches = _data([1, 3])
+    for x, y in batches:
+        micro_batch(opt, _loss(model, x, y), loop, weight=len(x))
+    assert len(refused) == 1 and refused[0].startswith(call.split("(")[0] + "(): called while the window's inner step")
+    assert steps == [1] and opt.stepped and opt.micro_step == 0
+    _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), batches)
+    _assert_same_params(model, reference, 1e-12)
+    handle.remove()
+    opt.zero_grad()  # the window is closed: the calls work again
+    for x, y in batches:
+        micro_batch(opt, _loss(model, x, y), loop, weight=len(x))
+    assert opt.stepped and steps == [1, 1]
 
 
 @pytest.mark.parametrize("how", ["by a closure", "through a wrapper"])

@@ -676,12 +676,14 @@ _UNTIMED_ON_CPU = [name for name in providers.PROVIDERS if name not in providers
         (["--table", "NOTJSON"], "is not a results JSON written by bench/run.py"),
         (["--table", "OTHERJSON"], "is JSON, but not results written by bench/run.py"),
         (["--plot-only", "NOTJSON"], "--plot-only: "),
+        (["--plot-only", "NODEVICE"], "is JSON, but not results written by bench/run.py (no meta.device)"),
+        (["--table", "NODEVICE"], "is JSON, but not results written by bench/run.py (no meta.device)"),
         (["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
         (["--kernels-only", "--no-kernels"], "--kernels-only with --no-kernels leaves nothing to run"),
     ],
     ids=["dtype", "empty-dtype", "unknown-set", "set-of-another-mode", "no-provider-runs", "empty-provider",
          "device", "threads", "compile-max-tensors", "missing-table", "table-not-json", "table-other-json",
-         "plot-not-json", "out-below-a-file", "nothing-to-run"],
+         "plot-not-json", "plot-no-device", "table-no-device", "out-below-a-file", "nothing-to-run"],
 )  # fmt: skip
 def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     monkeypatch, tmp_path, capsys, argv, message
@@ -698,7 +700,14 @@ def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     (tmp_path / "not.json").write_text("not JSON")
     (tmp_path / "file").write_text("")
     (tmp_path / "other.json").write_text('{"meta": {"device": "cpu"}, "rows": []}')  # another script's results
-    names = {"MISSING": "missing.json", "NOTJSON": "not.json", "OTHERJSON": "other.json", "FILE": "file"}
+    (tmp_path / "nodevice.json").write_text('{"meta": {"device_type": "cpu"}}')  # the plots name the device
+    names = {
+        "MISSING": "missing.json",
+        "NOTJSON": "not.json",
+        "OTHERJSON": "other.json",
+        "NODEVICE": "nodevice.json",
+        "FILE": "file",
+    }
     argv = [re.sub("|".join(names), lambda m: str(tmp_path / names[m[0]]), arg) for arg in argv]
     message = message.replace("FILE", str(tmp_path / "file"))
     with pytest.raises(SystemExit) as info:

@@ -896,6 +896,21 @@ def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
     assert (apart / moved) ** 0.5 < FP32_ERROR
 
 
+def test_an_infinite_max_grad_norm_logs_the_norm_and_never_clips(tmp_path: Path) -> None:
+    """TrainingArguments(max_grad_norm=inf), Trainer's way to log the norm without clipping, trains as max_grad_norm=0
+    (bitwise) and logs every window's norm; it was refused when training started (the accumulator's must be finite)."""
+    runs = {}
+    for norm in (float("inf"), 0.0):
+        trainer = _trainer(tmp_path / str(norm), max_grad_norm=norm, max_steps=2)
+        trainer.train()
+        assert trainer.accumulator.max_grad_norm is None
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        runs[norm] = norms, [p.detach().clone() for p in trainer.model.parameters()]
+    (norms, params), (norms_off, params_off) = runs[float("inf")], runs[0.0]
+    assert len(norms) == 2 and all(0 < value < float("inf") for value in norms) and norms == norms_off
+    assert all(torch.equal(p, q) for p, q in zip(params, params_off, strict=True))
+
+
 def test_arguments_changed_after_construction_are_the_ones_trained_with(tmp_path: Path) -> None:
     """hyperparameter_search sets a trial's TrainingArguments on a built Trainer: the accumulator is built from
     them when training starts, as plain Trainer reads them then, so both clip at the trial's max_grad_norm."""

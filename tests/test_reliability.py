@@ -833,8 +833,13 @@ def test_a_failure_handing_the_finished_gradients_over_discards_the_window(backe
             r"loss must have one element .* got shape \(\d+,\)",
         ),
         (lambda model, x: model(x).square().mean().detach(), ValueError, "loss does not require grad"),
+        (
+            lambda model, x: model(x).square().mean() * (1 + 1j),
+            TypeError,
+            "loss must be a real floating-point tensor, got torch.complex",
+        ),
     ],
-    ids=["float", "None", "vector", "detached"],
+    ids=["float", "None", "vector", "detached", "complex"],
 )
 def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, message):
     model = _model()
@@ -848,6 +853,33 @@ def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, mes
     after = _everything(opt)
     assert before[:2] == after[:2] and opt._micro is None
     assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"retain_graph": "yes"}, TypeError, r"backward\(\): retain_graph must be a bool, got str"),
+        ({"create_graph": None}, TypeError, r"backward\(\): create_graph must be a bool, got NoneType"),
+        ({"create_graph": 1}, TypeError, r"backward\(\): create_graph must be a bool, got int"),
+        ({"inputs": "weight"}, TypeError, r"backward\(\): inputs must be None, a tensor or a list of tensors, got str"),
+        ({"inputs": []}, ValueError, r"backward\(\): inputs must not be empty"),
+        ({"inputs": [None]}, TypeError, r"backward\(\): inputs\[0\] must be a tensor, got NoneType"),
+    ],
+    ids=["retain_graph-str", "create_graph-None", "create_graph-int", "inputs-str", "inputs-empty", "inputs-None"],
+)
+def test_bad_autograd_options_of_backward_are_refused_by_name_and_change_nothing(options, error, message):
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    x, y = _batches(2)
+    opt.backward(_loss(model, x))
+    opt.step()
+    before = _everything(opt)
+    with pytest.raises(error, match=message):
+        opt.backward(_loss(model, y), **options)
+    after = _everything(opt)
+    assert before[:2] == after[:2] and opt._micro is None
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+    assert all(param.grad is None for param in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -945,6 +977,39 @@ def test_a_window_whose_weights_overflowed_to_inf_checkpoints_and_ends_as_its_no
     bound = 8 * torch.finfo(torch.float64).eps * (1e-150 * sum(product.abs() for product in products) + 1)
     assert ((param.detach() - expected).abs() <= bound).all()
     assert not torch.equal(param.detach(), torch.ones(2, dtype=torch.float64))  # the step moved it
+
+
+def test_a_mean_window_a_float32_accumulator_cannot_scale_is_refused_at_load_not_at_its_end():
+    """An open float64 window whose weights sum to 1e300 (its scale 1e-300 a normal float64) loaded into float32
+    buffers, whose scale must be at least float32's tiny (sums up to 8.5e37): refused at load, naming weight_sum and
+    the dtype to resume with, nothing changed; rather than loaded and refused at its end with the micro-batches run
+    since. The float64 accumulator it came from resumes and finishes it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)  # float32 parameters: buffers of either dtype
+    x = torch.ones(1, 3)
+
+    def accumulator(accum_dtype):
+        return GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, accum_dtype=accum_dtype)
+
+    source = accumulator(torch.float64)
+    source.backward(model(x).sum(), weight=1e300)
+    source.step()
+    state = copy.deepcopy(source.state_dict())
+    del source
+    target = accumulator(torch.float32)
+    before = _everything(target)
+    with pytest.raises(ValueError, match=r"\['weight_sum'\]: the open window's weights sum to 1e\+300, .* "
+                       r"resume it with accum_dtype=torch\.float64"):  # fmt: skip
+        target.load_state_dict(state)
+    after = _everything(target)
+    assert before[:2] == after[:2] and after[1] == 0
+    del target
+    resumed = accumulator(torch.float64)
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        resumed.backward(model(x).sum(), weight=1e300)
+        resumed.step()
+    assert resumed.stepped
 
 
 def test_a_parameter_listed_twice_is_refused():

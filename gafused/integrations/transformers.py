@@ -729,9 +729,13 @@ def _check_trainer_internals(owner: Any, names: tuple[str, ...]) -> None:
 
 
 def _clipping(args: Any, options: dict[str, Any]) -> float | None:
-    """The accumulator's max_grad_norm: TrainingArguments' (default 1.0), or accumulator_options' when that is 0."""
+    """The accumulator's max_grad_norm: TrainingArguments' (default 1.0), or accumulator_options' when that is 0.
+
+    Trainer clips when it is above 0; at inf (a way to log the norm) its clipping never scales, as none here (the
+    accumulator measures the norm it logs either way)."""
     trainer_norm = 1.0 if args is None else args.max_grad_norm  # Trainer's default TrainingArguments clip at 1.0
-    trainer_norm = trainer_norm if trainer_norm is not None and trainer_norm > 0 else None
+    clips = trainer_norm is not None and trainer_norm > 0 and trainer_norm != float("inf")
+    trainer_norm = trainer_norm if clips else None
     if trainer_norm is not None and "max_grad_norm" in options:
         raise ValueError(
             f"max_grad_norm is configured twice: TrainingArguments(max_grad_norm={trainer_norm}) and "
