@@ -1127,10 +1127,13 @@ def test_the_kernel_configs_and_profile_scripts_keep_what_they_measured(monkeypa
         where["during"] = "4096 MB, cuda, config default"
         _sigterm_self()
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    monkeypatch.setattr(kernel_configs, "run", two_rows_then_stopped)
-    assert kernel_configs.main(["--out", str(tmp_path)]) == 143
+    # The fake GPU only for the kernel configs: left in place, the CPU profile below would make torch's optimizers
+    # ask a CUDA build of torch without a driver whether its stream is capturing, which raises.
+    with monkeypatch.context() as fake_gpu:
+        fake_gpu.setattr(torch.cuda, "is_available", lambda: True)
+        fake_gpu.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+        fake_gpu.setattr(kernel_configs, "run", two_rows_then_stopped)
+        assert kernel_configs.main(["--out", str(tmp_path)]) == 143
     (path,) = tmp_path.glob("*-kernel-configs.json")
     saved = json.loads(path.read_text())
     assert len(saved["rows"]) == 2 and saved["meta"]["complete"] is False

@@ -325,12 +325,20 @@ def test_a_backward_under_compiled_autograd_that_added_into_a_finished_gradient_
         opt.step(weight=1)
     assert opt.stepped
     before = [param.detach().clone() for param in model.parameters()]
+    handed = [param.grad for param in model.parameters()]
     backward(xs[2])
-    with pytest.raises(RuntimeError, match=r"p.grad of param_groups\[0\]\['params'\]\[0\].*compiled autograd"):
+    if any(param.grad is view for param, view in zip(model.parameters(), handed, strict=True)):
+        with pytest.raises(RuntimeError, match=r"p.grad of param_groups\[0\]\['params'\]\[0\].*compiled autograd"):
+            opt.step(weight=1)
+        assert opt.micro_step == 0 and all(map(torch.equal, model.parameters(), before))
+        opt.zero_grad()
+        todo = xs[2:]
+    else:  # torch 2.11 and 2.12: compiled autograd releases the view before accumulating, as eager does
         opt.step(weight=1)
-    assert opt.micro_step == 0 and all(map(torch.equal, model.parameters(), before))
-    opt.zero_grad()
-    for x in xs[2:]:
+        assert opt.micro_step == 1 and all(map(torch.equal, model.parameters(), before))
+        opt.zero_grad()
+        todo = xs[3:]
+    for x in todo:
         backward(x)
         opt.step(weight=1)
         opt.zero_grad()

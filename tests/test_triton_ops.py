@@ -365,6 +365,29 @@ def test_unavailable_reason():
     assert reason is not None and "TRITON_INTERPRET=1" in reason
 
 
+@pytest.mark.parametrize(
+    ("triton_version", "numpy_version", "refused"),
+    [("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.1", False), ("3.10.0", "3.0.0", False)],
+)
+def test_the_interpreter_of_an_older_triton_with_numpy_2_4_is_unavailable(
+    monkeypatch, triton_version, numpy_version, refused
+):
+    """Triton 3.6's interpreter (torch 2.11's) turns a loop bound into an int with int() of a one-element array, which
+    NumPy 2.4 refuses inside every kernel with a reduction loop: the backend says so (with the remedy) up front."""
+    import numpy
+    import triton
+
+    import gafused.triton_backend as backend
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    reason = backend._interpreter_reason()
+    if refused:
+        assert reason is not None and f"Triton {triton_version}'s interpreter" in reason and "numpy<2.4" in reason
+    else:
+        assert reason is None
+
+
 def test_unavailable_on_cpu_without_interpreter():
     # TRITON_INTERPRET is read when kernels are defined, so this needs a fresh interpreter process.
     script = (

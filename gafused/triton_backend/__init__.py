@@ -33,6 +33,27 @@ __all__ = ["fold_", "fold_finish_", "scale_", "sum_of_squares", "unavailable_rea
 _INTERPRETED = not isinstance(_fold_kernel, JITFunction)
 
 
+def _interpreter_reason() -> str | None:
+    """Why Triton's interpreter cannot run these kernels here (None when it can): Triton 3.6 and older turn a scalar
+    argument used as a loop bound into an int with ``int()`` of a one-element NumPy array, which NumPy 2.4 refuses
+    (``TypeError: only 0-dimensional arrays can be converted to Python scalars``); Triton 3.7 squeezes it first."""
+    import numpy
+    import triton
+
+    def major_minor(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1) cannot run with NumPy "
+            f"{numpy.__version__}: pip install 'numpy<2.4', or Triton 3.7 or newer"
+        )
+    return None
+
+
+_INTERPRETER_REASON = _interpreter_reason() if _INTERPRETED else None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why these kernels cannot run on ``device`` (None when they can).
 
@@ -60,7 +81,7 @@ def unavailable_reason(device: torch.device) -> str | None:
         return None
     if device.type == "cpu":
         if _INTERPRETED:
-            return None
+            return _INTERPRETER_REASON
         if os.environ.get("TRITON_INTERPRET") == "1":
             return "TRITON_INTERPRET=1 was set after gafused.triton_backend was imported; set it before importing"
     return "triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors"
