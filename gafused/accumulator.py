@@ -29,6 +29,7 @@ recompile for, every micro-step).
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import itertools
@@ -799,7 +800,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._check_not_stepping("backward()")
         ops.check_bool(end_window, "end_window")
         _check_loss(loss)
-        _check_autograd_options(retain_graph, create_graph, inputs)
+        inputs = _check_autograd_options(retain_graph, create_graph, inputs)
         if self._unscaled_grads and self._holds_unscaled_grads():
             raise RuntimeError(
                 "backward(): p.grad holds gradients the grad_scaler unscaled (a step() was refused for it), to which "
@@ -831,10 +832,9 @@ class GradAccumulator(torch.optim.Optimizer):
         if micro is None and self._sync.weight_in_loss:
             # FSDP2 sums the ranks' gradients during backward: the weight must be in the loss already. Rounded to
             # the loss's dtype (the dtype backward carries it in), it is the weight counted in the window's sum too.
-            loss_dtype = loss.dtype if loss.is_floating_point() else torch.float32
-            bad = self._check_weight_fits_loss(weight, w, bad, loss_dtype)
-            w = w.to(loss_dtype).to(torch.float64)
-            loss = loss * w.to(loss_dtype)
+            bad = self._check_weight_fits_loss(weight, w, bad, loss.dtype)
+            w = w.to(loss.dtype).to(torch.float64)
+            loss = loss * w.to(loss.dtype)
         elif micro is not None and self._sync.weight_in_loss:
             loss = loss * micro.weight.to(loss.dtype)
         # The last step's finished gradients go before autograd runs: no bucket may take one for a new gradient,
@@ -851,7 +851,7 @@ class GradAccumulator(torch.optim.Optimizer):
             micro.ends_window = True
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
-        others_before = self._others_grads() if micro.given is not None else None
+        others_before = self._others_grads()
         self._sync.before_backward(micro.ends_window)
         self._hooks.start()
         micro.folded_in_call = False
@@ -1103,14 +1103,23 @@ class GradAccumulator(torch.optim.Optimizer):
                 else "weight: backward() opened this micro-batch without a weight (it counts 1); a micro-batch's "
                 "weight goes to its backward(loss, weight=w), not to step(): call step() without it"
             )
-        elsewhere = self._weight_from_elsewhere() if micro is None else None
-        # (None is refused even where the weight was 1: every rank must decide alike, whatever its own weight.)
-        if elsewhere is not None and (weight is None or not _same_weight(weight, elsewhere.given)):
+        elsewhere = self._weight_from_elsewhere()
+        # The weight given as the other backward gave it: None for None (counted 1), the same value otherwise; a None
+        # against a weight of 1 is refused, so that every rank decides alike, whatever its own weight.
+        given = weight if micro is None else micro.given
+        if elsewhere is not None and (
+            (given is None) != (elsewhere.given is None) or not _same_weight(given, elsewhere.given)
+        ):
+            how = (
+                "give this step() the same weight, step(weight=w)"
+                if micro is None
+                else "give this micro-batch's own backward() the same weight"
+            )
             raise ValueError(
                 f"weight: gradients this step() would fold come from another accumulator's backward(loss, "
-                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; give this step() the "
-                f"same weight, step(weight=w), so both count it alike (got {weight!r}; an equal number or CPU "
-                "tensor, or the same GPU tensor)"
+                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; {how}, so both count it "
+                f"alike (got {given!r}; None where it gave none, else an equal number or CPU tensor, or the same GPU "
+                "tensor)"
             )
         if micro is None:
             if weight is not None and self._sync.weight_in_loss and elsewhere is None:
@@ -2717,20 +2726,24 @@ def _callable_hook(hook: Any, method: str) -> Callable[..., Any]:
     return hook
 
 
-def _check_autograd_options(retain_graph: Any, create_graph: Any, inputs: Any) -> None:
+def _check_autograd_options(retain_graph: Any, create_graph: Any, inputs: Any) -> Any:
     """``backward()``'s options for ``torch.autograd.backward``, refused by name before anything changes."""
     if retain_graph is not None:
         ops.check_bool(retain_graph, "backward(): retain_graph")
     ops.check_bool(create_graph, "backward(): create_graph")
     if inputs is None or isinstance(inputs, (torch.Tensor, torch.autograd.graph.GradientEdge)):
-        return
-    if not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"backward(): inputs must be None, a tensor or a list of tensors, got {type(inputs).__name__}")
+        return inputs
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, collections.abc.Iterable):
+        raise TypeError(
+            f"backward(): inputs must be None, a tensor or an iterable of tensors, got {type(inputs).__name__}"
+        )
+    inputs = tuple(inputs)  # as torch.autograd.backward does: a ParameterList, dict values, ...
     if not inputs:
         raise ValueError("backward(): inputs must not be empty (None backpropagates into every leaf)")
     for index, item in enumerate(inputs):
         if not isinstance(item, (torch.Tensor, torch.autograd.graph.GradientEdge)):
             raise TypeError(f"backward(): inputs[{index}] must be a tensor, got {type(item).__name__}")
+    return inputs
 
 
 def _warn_of_frozen_parameters(groups: list[_Group]) -> None:

@@ -125,7 +125,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
             f"available_backends(): device must be a torch.device, a str, an index or None, got {type(device).__name__}"
         )
     try:
-        device = torch.device(device)
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # as torch.cuda's
     except RuntimeError as error:
         raise ValueError(f"available_backends(): device {device!r} names no device here: {error}") from None
     if device.type == "cuda" and not torch.cuda.is_available():

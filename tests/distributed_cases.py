@@ -746,23 +746,25 @@ def _split_backward_cases(rank: int) -> dict[str, str]:
     import gafused
 
     said: dict[str, str] = {}
+    fraction = [0.0]
 
     def window(opts: list[gafused.GradAccumulator], model: torch.nn.Module, kind: str) -> None:
         first, *rest = opts
         for micro in range(N):
             x, y = micro_batch(rank, 0, micro)
-            first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+            first.backward(token_losses(model, x, y).mean(), weight=x.shape[0] + fraction[0])
             first.step()
             for opt in rest:
                 if micro == 1:
                     said[f"{kind} split step without the weight"] = _said(ValueError, opt.step)
                     said[f"{kind} split step without the weight micro_step"] = str(opt.micro_step)
-                opt.step(weight=x.shape[0])
+                opt.step(weight=x.shape[0] + fraction[0])
             for opt in opts:
                 opt.zero_grad()
 
-    for case in ("ddp", "fsdp", "fsdp sync off"):
+    for case in ("ddp", "fsdp", "fsdp sync off", "fsdp fractional"):
         kind = case.split()[0]
+        fraction[0] = 0.1 if case.endswith("fractional") else 0.0  # a weight float32 (the loss) rounds
         whole, two = _wrap(kind, rank), _wrap(kind, rank)
         if case == "fsdp sync off":  # opt.backward() turns it on for the window's last micro-batch
             whole.set_requires_gradient_sync(False)

@@ -926,6 +926,7 @@ def test_env_backend_is_used_by_auto(monkeypatch):
 def test_available_backends_lists_reference():
     assert "reference" in gafused.available_backends()
     assert "reference" in gafused.available_backends("cpu")
+    assert gafused.available_backends(0) == gafused.available_backends("cuda:0")  # an index is a CUDA device's
 
 
 @pytest.mark.parametrize(
@@ -2589,3 +2590,201 @@ def test_a_resumed_window_with_a_freshly_loaded_scaler(then):
     used = batches if then == "step" else batches[:2]
     _big_batch_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), used)
     _assert_same_params(model, reference, 1e-12)
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.float64], ids=str)
+def test_a_mean_window_whose_weights_sum_to_exactly_one_over_tiny_steps(backend, loop, accum_dtype):
+    """The largest weight sum "mean" takes is 1 / tiny itself (float32: 2**126): its scale 1 / sum is tiny, still a
+    normal number. A weight of exactly that, and a window of two halves summing to it, are accepted and step the
+    plain gradient (the weight and the scale are powers of two: exact)."""
+    limit = 1 / torch.finfo(accum_dtype).tiny
+    torch.manual_seed(0)
+    model = tanh_mlp(seed=0, dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 5, generator=generator) for _ in range(3)]
+    ys = [torch.randn(4, 3, generator=generator) for _ in range(3)]
+
+    def loss(net, x, y):
+        return torch.nn.functional.mse_loss(net(x), y)
+
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend, accum_dtype=accum_dtype)
+    micro_batch(opt, loss(model, xs[0], ys[0]), loop, weight=limit)  # one micro-batch of weight 1 / tiny
+    opt.zero_grad()
+    assert opt.stepped
+    opt.accumulation_steps = 2
+    for x, y in zip(xs[1:], ys[1:], strict=True):  # two of 1 / (2 tiny): the sum is 1 / tiny
+        micro_batch(opt, loss(model, x, y), loop, weight=limit / 2)
+        opt.zero_grad()
+    assert opt.stepped and opt.skipped_steps == 0
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    plain.zero_grad()
+    loss(reference, xs[0], ys[0]).backward()
+    plain.step()
+    plain.zero_grad()
+    (0.5 * loss(reference, xs[1], ys[1]) + 0.5 * loss(reference, xs[2], ys[2])).backward()
+    plain.step()
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_weighted_backward_that_adds_into_the_second_accumulators_gradients_in_place_gives_it_its_weight(backend):
+    """An auxiliary loss's plain backward first, then first.backward(loss, weight=w): autograd adds the main loss's
+    gradients into the second's p.grad in place (the same tensors, a new version). They are that micro-batch's, which
+    the first counts with w: the second's step() without w is refused, and with it both equal one accumulator."""
+    whole, split = tanh_mlp(seed=0, dtype=torch.float64), tanh_mlp(seed=0, dtype=torch.float64)
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    for x, y in _data([2, 7]):
+        (0.1 * whole(x).abs().mean()).backward()
+        one.backward(_loss(whole, x, y), weight=len(x))
+        one.step()
+        one.zero_grad()
+        (0.1 * split(x).abs().mean()).backward()
+        first.backward(_loss(split, x, y), weight=len(x))
+        first.step()
+        with pytest.raises(ValueError, match=rf"backward\(loss, weight={len(x)}\).*\(got None;"):
+            second.step()
+        second.step(weight=len(x))
+        first.zero_grad()
+        second.zero_grad()
+    assert one.stepped and first.stepped and second.stepped
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
+def test_an_unweighted_backward_of_the_first_accumulator_asks_no_weight_of_the_second(backend):
+    """first.backward(loss) without a weight counts the micro-batch 1, as the second's step() does without one: the
+    usual loop of two optimizers over one model, unweighted, runs as before and equals one accumulator."""
+    whole, split = tanh_mlp(seed=0, dtype=torch.float64), tanh_mlp(seed=0, dtype=torch.float64)
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    for x, y in _data([2, 7]):
+        one.backward(_loss(whole, x, y))
+        one.step()
+        one.zero_grad()
+        first.backward(_loss(split, x, y))
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    assert one.stepped and first.stepped and second.stepped
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
+def test_gradients_a_weighted_backward_of_the_first_accumulator_did_not_touch_take_any_weight(backend):
+    """The second's p.grad from its own plain backward, then first.backward(loss, weight=w) over a loss that reaches
+    only the first's parameters: it gave the second nothing, so the second's step() takes its own weight (or none),
+    as with no other accumulator."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 4])
+    hidden = torch.tanh(split[0](x)).detach()
+    torch.nn.functional.mse_loss(split[2](hidden), y).backward()  # the second's parameters only
+    assert all(param.grad is None for param in params[:2])
+    first.backward(split[0](x2).square().mean(), weight=5)  # the first's parameters only
+    first.step()
+    second.step()  # its own gradients, weight 1
+    assert first.micro_step == 1 and second.micro_step == 1
+
+
+def test_gradients_a_weighted_backward_gave_and_that_were_dropped_since_ask_no_weight_though_still_alive(backend):
+    """first.backward(loss, weight=5) gives the second its gradients; the caller keeps them (a gradient logger), then
+    drops them from p.grad (zero_grad) and runs a plain backward: what the second's step() folds now is none of that
+    backward's, so it takes its own weight, as when the old gradients are freed."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 4])
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    logged = [param.grad for param in params[2:]]  # kept alive by the caller
+    second.zero_grad()
+    first.zero_grad()
+    _loss(split, x2, y2).backward()
+    assert all(param.grad is not grad for param, grad in zip(params[2:], logged, strict=True))
+    second.step(weight=2)  # its own plain backward's gradients: any weight
+    assert second.micro_step == 1
+
+
+def test_the_second_accumulators_own_backward_loop_takes_what_the_first_gave_in_its_micro_batch(backend):
+    """Both accumulators in the backward loop, with the same weight: second.backward(loss, weight=w) over a loss of
+    its own parameters opens its micro-batch, then first.backward(loss, weight=w) over the whole model gives the
+    second more gradients. The second's step() (no weight: its backward gave it) folds them into its open
+    micro-batch, counted w."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    ((x, y),) = _data([3])
+    hidden = torch.tanh(split[0](x)).detach()
+    second.backward(split[2](hidden).square().mean(), weight=5)  # the second's parameters only
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    second.step()
+    assert first.micro_step == 1 and second.micro_step == 1
+
+
+def test_the_latest_weighted_backward_of_the_first_accumulator_sets_the_weight_the_second_must_repeat(backend):
+    """The second skips a micro-batch (zero_grad() drops what first.backward(loss, weight=5) gave it); the next,
+    first.backward(loss, weight=7), gives it new gradients: its step() must repeat 7, not the skipped 5."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 3, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 3, backend=backend)
+    (x, y), (x2, y2) = _data([3, 4])
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    first.zero_grad()
+    second.zero_grad()  # the second leaves this micro-batch out
+    first.backward(_loss(split, x2, y2), weight=7)
+    first.step()
+    for wrong in (None, 5, 3):
+        with pytest.raises(ValueError, match=r"backward\(loss, weight=7\)"):
+            second.step(weight=wrong)
+    second.step(weight=7)
+    assert second.micro_step == 1
+
+
+def test_the_second_accumulators_own_backward_loop_refuses_what_the_first_gave_at_another_weight(backend):
+    """second.backward(loss, weight=3) opens its micro-batch; first.backward(loss, weight=5) then gives the second
+    more gradients, which its step() would fold at 3: refused, naming both, nothing folded."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    ((x, y),) = _data([3])
+    hidden = torch.tanh(split[0](x)).detach()
+    second.backward(split[2](hidden).square().mean(), weight=3)
+    before = [buffer.data.clone() for buffer in second.buffers]
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    with pytest.raises(ValueError, match=r"backward\(loss, weight=5\).*own backward\(\) the same weight.*got 3;"):
+        second.step()
+    assert second.micro_step == 0 and all(map(torch.equal, [b.data for b in second.buffers], before))
+
+
+def test_an_unweighted_backward_of_the_first_accumulator_refuses_a_weight_at_the_seconds_step(backend):
+    """first.backward(loss) counts the micro-batch 1; the gradients it gave the second folded with weight 7 would
+    count it 7 there: refused, as a weighted backward's other weight is (the second's step() without one matches)."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    ((x, y),) = _data([3])
+    first.backward(_loss(split, x, y))
+    first.step()
+    for weight in (7, 1):  # (1 too: None for None, so that every rank decides alike)
+        with pytest.raises(ValueError, match=rf"backward\(loss, weight=None\).*\(got {weight};"):
+            second.step(weight=weight)
+    assert second.micro_step == 0
+    second.step()
+    assert second.micro_step == 1

@@ -429,3 +429,26 @@ def test_a_lazily_negated_gradient_folds_its_values_in_a_compiled_graph(name):
     assert torch.equal(compiled_buffer.data, eager_buffer.data)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     torch._dynamo.reset()
+
+
+def test_a_window_that_reaches_only_the_later_parameters_leaves_the_earlier_finished_gradients_unrefused():
+    """The loss.backward(); opt.step() loop without zero_grad(), in eager: a window whose micro-batches reach only the
+    second head releases that head's finished gradients (its hooks note it); the first head keeps its finished
+    gradient, untouched. Each hook notes its own parameter: nothing is refused, and the windows are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(4)]
+    for batch, heads in ((xs[0:2], ("used", "spare")), (xs[2:4], ("spare",))):
+        for x in batch:
+            sum(model[head](x) for head in heads).square().mean().backward()
+            opt.step(weight=1)
+        assert opt.stepped
+        plain.zero_grad()
+        whole = torch.cat(batch)
+        sum(reference[head](whole) for head in heads).square().mean().backward()
+        plain.step()
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, rtol=0, atol=1e-15)

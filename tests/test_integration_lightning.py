@@ -8,6 +8,7 @@ clipping. One process runs in this process; 2 gloo ranks under Lightning's DDP s
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import pytest
@@ -684,3 +685,38 @@ def test_stepping_the_accumulator_by_hand_is_refused() -> None:
         with pytest.raises(RuntimeError, match="Do not step it yourself"):
             callback.accumulator.step(**kwargs)
     assert callback.accumulator.micro_step == 0
+
+
+def test_a_ctrl_c_after_a_windows_last_backward_leaves_a_checkpoint(tmp_path) -> None:
+    """A KeyboardInterrupt (Ctrl-C) between a window's last backward and Lightning's optimizer step: Lightning calls
+    on_exception (OnExceptionCheckpoint saves) and exits with SystemExit. The window is discarded as for any error,
+    so the checkpoint holds no micro-batch half ended (state_dict() would refuse it and its RuntimeError would
+    replace Lightning's exit)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class CtrlC(pl.Callback):
+        calls = 0
+
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            CtrlC.calls += 1
+            if CtrlC.calls == 2 * cases.N:  # the second window's last batch
+                raise KeyboardInterrupt
+
+    callback = GradAccumulation(weight=cases.tokens)
+    checkpoint = OnExceptionCheckpoint(str(tmp_path), filename="on_exception")
+    trainer = _quiet_trainer(
+        callbacks=[CtrlC(), callback, checkpoint], default_root_dir=str(tmp_path), enable_checkpointing=True
+    )
+    module = TinyLM(0)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after a KeyboardInterrupt
+            trainer.fit(module)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from then on
+    assert callback.accumulator.micro_step == 0 and all(p.grad is None for p in module.parameters())
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert saved["optimizer_states"][0]["gafused"]["micro_step"] == 0
+    assert saved["global_step"] == 1  # the first window stepped, the second did not

@@ -231,3 +231,47 @@ def test_called_directly_every_op_refuses_a_scalar_its_backend_would_misread_and
     expected = acc * acc[5]
     ops._scale_op(acc, offsets, numels, acc[5], None, backend)
     assert torch.equal(acc, expected)
+
+
+def test_called_directly_every_op_refuses_a_sparse_scalar(backend):
+    """A 0-d sparse tensor of acc's dtype on its device has no strided memory for a backend to read one value at: the
+    reference backend scaled the second segment to 0, Triton raised from its storage. Refused by name, nothing
+    written."""
+    offsets, numels = [0, 8], [8, 4]
+    grads = [torch.full((8,), 0.5), torch.full((4,), -1.0)]
+    acc = torch.arange(1.0, 13.0)
+    before = acc.clone()
+    one = torch.tensor(1.0)
+    sparse = torch.tensor(2.0).to_sparse()
+    assert sparse.dim() == 0 and sparse.dtype == acc.dtype
+    calls = {
+        "weight": lambda: ops._fold_op(acc, grads, offsets, numels, sparse, False, backend),
+        "scale": lambda: ops._fold_finish_op(acc, grads, offsets, numels, one, sparse, False, backend),
+        "coef": lambda: ops._scale_op(acc, offsets, numels, sparse, None, backend),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{name} must be a dense 0-d torch.float32 tensor on cpu"):
+            call()
+        assert torch.equal(acc, before), name
+
+
+def test_called_directly_scale_reads_a_coefficient_in_outs_memory_before_it_writes(backend):
+    """A coef that is a 0-d view of ``out`` (what a compiled call passes when given one): read before the op writes
+    out, as in eager, so every element is scaled by its value."""
+    offsets, numels = [0, 8], [8, 4]
+    acc = torch.arange(1.0, 13.0)
+    out = torch.full((12,), 3.0)
+    ops._scale_op(acc, offsets, numels, out[2], out, backend)
+    assert torch.equal(out, torch.arange(1.0, 13.0) * 3.0)
+    assert torch.equal(acc, torch.arange(1.0, 13.0))
+
+
+def test_op_scalars_refuses_a_scalar_on_another_device():
+    """A backend reads a scalar at its address on acc's device: one elsewhere (a CPU scalar for a CUDA acc) is refused
+    by name. On CPU the op itself cannot be handed a meta scalar (the dispatcher runs its fake implementation), so the
+    check is called directly."""
+    acc = torch.arange(1.0, 13.0)
+    with pytest.raises(ValueError, match=r"coef must be a dense 0-d torch.float32 tensor on cpu .*on meta"):
+        ops._op_scalars(acc, None, coef=torch.tensor(2.0, device="meta"))
+    (same,) = ops._op_scalars(acc, None, coef=torch.tensor(2.0))
+    assert same.device == acc.device

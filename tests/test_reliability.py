@@ -861,7 +861,7 @@ def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, mes
         ({"retain_graph": "yes"}, TypeError, r"backward\(\): retain_graph must be a bool, got str"),
         ({"create_graph": None}, TypeError, r"backward\(\): create_graph must be a bool, got NoneType"),
         ({"create_graph": 1}, TypeError, r"backward\(\): create_graph must be a bool, got int"),
-        ({"inputs": "weight"}, TypeError, r"backward\(\): inputs must be None, a tensor or a list of tensors, got str"),
+        ({"inputs": "weight"}, TypeError, r"backward\(\): inputs must be None, a tensor or an iterable of .* got str"),
         ({"inputs": []}, ValueError, r"backward\(\): inputs must not be empty"),
         ({"inputs": [None]}, TypeError, r"backward\(\): inputs\[0\] must be a tensor, got NoneType"),
     ],
@@ -1399,3 +1399,107 @@ def test_long_run_keeps_memory_flat(loop):
             counts.append(_live_tensors())
     assert counts[1] <= counts[0]  # earlier tests' garbage may still go; nothing of this run may stay
     assert math.isfinite(float(opt.grad_norm))
+
+
+def test_a_bad_device_weight_of_a_sum_window_is_refused_without_the_mean_only_cause(monkeypatch):
+    """With normalization="sum" the weight sum is not a scale: a device weight above float32's range (1e39) is refused
+    at the window's end for its range alone, not also for a sum "beyond 1 / tiny" that only "mean" refuses."""
+    import gafused.accumulator
+
+    monkeypatch.setattr(gafused.accumulator, "_checked_on_host", lambda device: False)  # a GPU's path, on CPU
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=0.1), 1, normalization="sum")
+    param.grad = torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match="was refused at its end: one given as a device tensor") as refused:
+        opt.step(weight=torch.tensor(1e39, dtype=torch.float64))
+    assert "this window's weights sum to" not in str(refused.value)
+    assert opt.micro_step == 0 and not opt.stepped
+    assert torch.equal(param.detach(), torch.ones(2))
+
+
+def test_a_bad_device_weight_under_an_infinite_loss_scale_is_refused_with_its_cause(monkeypatch):
+    """An infinite loss scale (1 / scale = 0) takes every weight to 0 once divided; a negative device weight is still
+    refused at the window's end, by a ValueError naming the weight's range (no range at that scale to add)."""
+    import gafused.accumulator
+
+    monkeypatch.setattr(gafused.accumulator, "_checked_on_host", lambda device: False)
+    param = torch.nn.Parameter(torch.ones(2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"))
+    opt = GradAccumulator(torch.optim.SGD([param], lr=0.1), 1, grad_scaler=scaler)
+    scaler.scale((param * torch.tensor([1.0, -1.0])).sum()).backward()
+    with pytest.raises(ValueError, match="was refused at its end: one given as a device tensor") as refused:
+        opt.step(weight=torch.tensor(-1.0))
+    assert "loss scale" not in str(refused.value)
+    assert opt.micro_step == 0 and not opt.stepped
+
+
+@pytest.mark.parametrize(
+    "make_inputs",
+    [
+        lambda model: torch.nn.ParameterList([model.weight]),
+        lambda model: {"weight": model.weight}.values(),
+    ],
+    ids=["ParameterList", "dict_values"],
+)
+def test_backward_takes_inputs_as_torch_autograd_backward_does(make_inputs):
+    """torch.autograd.backward takes any sized iterable of tensors as inputs (it calls tuple() on it)."""
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    opt.backward(model(x).sum(), inputs=make_inputs(model))
+    opt.step()
+    assert opt.stepped and model.bias.grad is None
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    twin(x).sum().backward(inputs=make_inputs(twin))
+    plain.step()
+    torch.testing.assert_close(model.weight, twin.weight)
+
+
+def test_a_sum_window_of_float64_buffers_with_a_sum_beyond_float32s_scale_loads_into_float32():
+    """With normalization="sum" the window's scale is 1, whatever its weight sum: a float64 window whose weights
+    (each within float32's range) sum beyond 1 / float32's tiny loads into float32 buffers and finishes there."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    x = torch.full((1, 3), 1e-30)
+
+    def accumulator(accum_dtype):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return GradAccumulator(opt, 3, accum_dtype=accum_dtype, normalization="sum")
+
+    source = accumulator(torch.float64)
+    for _ in range(2):
+        source.backward(model(x).sum(), weight=1e38)
+        source.step()
+    state = copy.deepcopy(source.state_dict())
+    assert state["gafused"]["weight_sum"].item() > 1 / torch.finfo(torch.float32).tiny
+    del source
+    target = accumulator(torch.float32)
+    target.load_state_dict(state)
+    assert target.micro_step == 2
+    before = model.weight.detach().clone()
+    target.backward(model(x).sum(), weight=1e38)
+    target.step()
+    assert target.stepped and not torch.equal(model.weight.detach(), before)
+
+
+def test_a_mixed_dtype_accumulators_own_window_loads_back_whatever_its_sum():
+    """float32 and float64 parameters with accum_dtype=float32 give a float32 and a float64 buffer; the window is
+    scaled in the narrowest (float32). Its own checkpoint, even one whose weights sum beyond float32's scale (which
+    its window end refuses), loads back into the same accumulator: the float64 buffer does not make it a float64
+    window."""
+    torch.manual_seed(0)
+    narrow = torch.nn.Linear(3, 1, bias=False)
+    wide = torch.nn.Linear(3, 1, bias=False).double()
+    params = [*narrow.parameters(), *wide.parameters()]
+    x = torch.ones(1, 3)
+    opt = GradAccumulator(torch.optim.SGD(params, lr=0.1), 3)
+    assert sorted(str(g.buffer.accum_dtype) for g in opt._groups) == ["torch.float32", "torch.float64"]
+    for _ in range(2):
+        opt.backward(narrow(x).sum() + wide(x.double()).sum().float(), weight=5e37)
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    assert state["gafused"]["weight_sum"].item() > 1 / torch.finfo(torch.float32).tiny
+    opt.load_state_dict(state)
+    assert opt.micro_step == 2
