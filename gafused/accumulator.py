@@ -994,7 +994,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 the accumulation dtype (float32: 1.2e-38 to 3.4e38), also once divided by ``grad_scaler``'s scale
                 (checked on the device, like a device tensor); refused after ``backward()``, which takes it. After
                 another accumulator's ``backward(loss, weight=w)`` gave these parameters their gradients (two
-                optimizers over one model), it must be that ``w``. With
+                optimizers over one model), it must be that ``w`` (None after a ``backward(loss)`` without one). With
                 ``normalization="mean"`` the window's weights must sum to at most 1 / the dtype's smallest normal
                 number (float32: 8.5e37), so that the scale 1 / sum is a normal number: a weight above it is
                 refused, a window whose sum goes beyond it is refused at its end.
