@@ -2628,15 +2628,22 @@ def test_a_mean_window_whose_weights_sum_to_exactly_one_over_tiny_steps(backend,
         torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
 
 
+def _split_accumulators(backend, steps=2):
+    """A float64 tanh_mlp with two accumulators over it: ``first`` over its first layer, ``second`` over the rest."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), steps, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), steps, backend=backend)
+    return split, first, second
+
+
 def test_a_weighted_backward_that_adds_into_the_second_accumulators_gradients_in_place_gives_it_its_weight(backend):
     """An auxiliary loss's plain backward first, then first.backward(loss, weight=w): autograd adds the main loss's
     gradients into the second's p.grad in place (the same tensors, a new version). They are that micro-batch's, which
     the first counts with w: the second's step() without w is refused, and with it both equal one accumulator."""
-    whole, split = tanh_mlp(seed=0, dtype=torch.float64), tanh_mlp(seed=0, dtype=torch.float64)
+    whole = tanh_mlp(seed=0, dtype=torch.float64)
     one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     for x, y in _data([2, 7]):
         (0.1 * whole(x).abs().mean()).backward()
         one.backward(_loss(whole, x, y), weight=len(x))
@@ -2658,11 +2665,9 @@ def test_a_weighted_backward_that_adds_into_the_second_accumulators_gradients_in
 def test_an_unweighted_backward_of_the_first_accumulator_asks_no_weight_of_the_second(backend):
     """first.backward(loss) without a weight counts the micro-batch 1, as the second's step() does without one: the
     usual loop of two optimizers over one model, unweighted, runs as before and equals one accumulator."""
-    whole, split = tanh_mlp(seed=0, dtype=torch.float64), tanh_mlp(seed=0, dtype=torch.float64)
+    whole = tanh_mlp(seed=0, dtype=torch.float64)
     one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     for x, y in _data([2, 7]):
         one.backward(_loss(whole, x, y))
         one.step()
@@ -2681,14 +2686,11 @@ def test_gradients_a_weighted_backward_of_the_first_accumulator_did_not_touch_ta
     """The second's p.grad from its own plain backward, then first.backward(loss, weight=w) over a loss that reaches
     only the first's parameters: it gave the second nothing, so the second's step() takes its own weight (or none),
     as with no other accumulator."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     (x, y), (x2, y2) = _data([3, 4])
     hidden = torch.tanh(split[0](x)).detach()
     torch.nn.functional.mse_loss(split[2](hidden), y).backward()  # the second's parameters only
-    assert all(param.grad is None for param in params[:2])
+    assert all(param.grad is None for param in split[0].parameters())
     first.backward(split[0](x2).square().mean(), weight=5)  # the first's parameters only
     first.step()
     second.step()  # its own gradients, weight 1
@@ -2699,18 +2701,15 @@ def test_gradients_a_weighted_backward_gave_and_that_were_dropped_since_ask_no_w
     """first.backward(loss, weight=5) gives the second its gradients; the caller keeps them (a gradient logger), then
     drops them from p.grad (zero_grad) and runs a plain backward: what the second's step() folds now is none of that
     backward's, so it takes its own weight, as when the old gradients are freed."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     (x, y), (x2, y2) = _data([3, 4])
     first.backward(_loss(split, x, y), weight=5)
     first.step()
-    logged = [param.grad for param in params[2:]]  # kept alive by the caller
+    logged = [param.grad for param in list(split.parameters())[2:]]  # kept alive by the caller
     second.zero_grad()
     first.zero_grad()
     _loss(split, x2, y2).backward()
-    assert all(param.grad is not grad for param, grad in zip(params[2:], logged, strict=True))
+    assert all(param.grad is not grad for param, grad in zip(list(split.parameters())[2:], logged, strict=True))
     second.step(weight=2)  # its own plain backward's gradients: any weight
     assert second.micro_step == 1
 
@@ -2720,10 +2719,7 @@ def test_the_second_accumulators_own_backward_loop_takes_what_the_first_gave_in_
     its own parameters opens its micro-batch, then first.backward(loss, weight=w) over the whole model gives the
     second more gradients. The second's step() (no weight: its backward gave it) folds them into its open
     micro-batch, counted w."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     ((x, y),) = _data([3])
     hidden = torch.tanh(split[0](x)).detach()
     second.backward(split[2](hidden).square().mean(), weight=5)  # the second's parameters only
@@ -2736,10 +2732,7 @@ def test_the_second_accumulators_own_backward_loop_takes_what_the_first_gave_in_
 def test_the_latest_weighted_backward_of_the_first_accumulator_sets_the_weight_the_second_must_repeat(backend):
     """The second skips a micro-batch (zero_grad() drops what first.backward(loss, weight=5) gave it); the next,
     first.backward(loss, weight=7), gives it new gradients: its step() must repeat 7, not the skipped 5."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 3, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 3, backend=backend)
+    split, first, second = _split_accumulators(backend, 3)
     (x, y), (x2, y2) = _data([3, 4])
     first.backward(_loss(split, x, y), weight=5)
     first.step()
@@ -2757,10 +2750,7 @@ def test_the_latest_weighted_backward_of_the_first_accumulator_sets_the_weight_t
 def test_the_second_accumulators_own_backward_loop_refuses_what_the_first_gave_at_another_weight(backend):
     """second.backward(loss, weight=3) opens its micro-batch; first.backward(loss, weight=5) then gives the second
     more gradients, which its step() would fold at 3: refused, naming both, nothing folded."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     ((x, y),) = _data([3])
     hidden = torch.tanh(split[0](x)).detach()
     second.backward(split[2](hidden).square().mean(), weight=3)
@@ -2775,10 +2765,7 @@ def test_the_second_accumulators_own_backward_loop_refuses_what_the_first_gave_a
 def test_an_unweighted_backward_of_the_first_accumulator_refuses_a_weight_at_the_seconds_step(backend):
     """first.backward(loss) counts the micro-batch 1; the gradients it gave the second folded with weight 7 would
     count it 7 there: refused, as a weighted backward's other weight is (the second's step() without one matches)."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
     ((x, y),) = _data([3])
     first.backward(_loss(split, x, y))
     first.step()

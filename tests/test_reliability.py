@@ -822,6 +822,23 @@ def test_a_failure_handing_the_finished_gradients_over_discards_the_window(backe
     _assert_same(model, reference)
 
 
+def _assert_refused_backward_changes_nothing(make_loss, options, error, message):
+    """A window with one micro-batch; then backward(make_loss(...), **options) is refused with ``message`` and
+    changes nothing: state_dict, micro_step and buffers as before, no micro-batch open, no p.grad."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    x, y = _batches(2)
+    opt.backward(_loss(model, x))
+    opt.step()
+    before = _everything(opt)
+    with pytest.raises(error, match=message):
+        opt.backward(make_loss(model, y), **options)
+    after = _everything(opt)
+    assert before[:2] == after[:2] and opt._micro is None
+    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+    assert all(param.grad is None for param in model.parameters())
+
+
 @pytest.mark.parametrize(
     "make_loss, error, message",
     [
@@ -842,17 +859,7 @@ def test_a_failure_handing_the_finished_gradients_over_discards_the_window(backe
     ids=["float", "None", "vector", "detached", "complex"],
 )
 def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, message):
-    model = _model()
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    x, y = _batches(2)
-    opt.backward(_loss(model, x))
-    opt.step()
-    before = _everything(opt)
-    with pytest.raises(error, match=message):
-        opt.backward(make_loss(model, y))
-    after = _everything(opt)
-    assert before[:2] == after[:2] and opt._micro is None
-    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
+    _assert_refused_backward_changes_nothing(make_loss, {}, error, message)
 
 
 @pytest.mark.parametrize(
@@ -868,18 +875,7 @@ def test_bad_losses_are_refused_by_name_and_change_nothing(make_loss, error, mes
     ids=["retain_graph-str", "create_graph-None", "create_graph-int", "inputs-str", "inputs-empty", "inputs-None"],
 )
 def test_bad_autograd_options_of_backward_are_refused_by_name_and_change_nothing(options, error, message):
-    model = _model()
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    x, y = _batches(2)
-    opt.backward(_loss(model, x))
-    opt.step()
-    before = _everything(opt)
-    with pytest.raises(error, match=message):
-        opt.backward(_loss(model, y), **options)
-    after = _everything(opt)
-    assert before[:2] == after[:2] and opt._micro is None
-    assert all(torch.equal(a, b) for a, b in zip(before[3], after[3], strict=True))
-    assert all(param.grad is None for param in model.parameters())
+    _assert_refused_backward_changes_nothing(_loss, options, error, message)
 
 
 @pytest.mark.parametrize(
