@@ -2375,7 +2375,8 @@ class GradAccumulator(torch.optim.Optimizer):
         """Restore what ``state_dict()`` saved; a checkpoint taken mid-window resumes that window exactly.
 
         The window is checked whole before anything changes: a refused checkpoint raises ValueError naming the bad
-        field and leaves the accumulator and the inner optimizer as they were. Loading rolls back to the checkpoint:
+        field (RuntimeError for a plain optimizer's state while a window is open) and leaves the accumulator and
+        the inner optimizer as they were. Loading rolls back to the checkpoint:
         the open window is replaced, and with it a ``backward()`` awaiting its ``step()`` and every gradient no
         ``step()`` folded (``p.grad`` is released), as after an interrupted micro-batch, which it recovers from.
         The inner optimizer's part goes to its own ``load_state_dict``, which checks what torch checks.

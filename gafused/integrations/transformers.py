@@ -135,8 +135,9 @@ class GafusedTrainer(transformers.Trainer):
 
     Args:
         accumulator_options: keyword arguments for ``GradAccumulator``: ``accum_dtype``, ``backend``,
-            ``bucket_bytes``, ``reduce_dtype`` and ``max_grad_norm`` (the last only with ``args.max_grad_norm=0``:
-            clipping is configured in one place). The window, the normalization and ``model=`` follow the Trainer.
+            ``bucket_bytes``, ``reduce_dtype`` and ``max_grad_norm`` (the last only where ``args.max_grad_norm``
+            does not clip: 0 or inf; clipping is configured in one place). The window, the normalization and
+            ``model=`` follow the Trainer.
         *args, **kwargs: as for ``transformers.Trainer``. ``optimizers=(inner, scheduler)`` takes the inner
             optimizer (a plain ``torch.optim.Optimizer``); GafusedTrainer wraps it.
 
