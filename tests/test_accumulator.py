@@ -2285,22 +2285,42 @@ def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gra
     assert second.micro_step == 2
 
 
-def test_an_auxiliary_loss_added_by_plain_backward_keeps_the_second_accumulators_weight(backend):
+def _split_accumulators(backend, steps=2):
+    """A float64 tanh_mlp with two accumulators over it: ``first`` over its first layer, ``second`` over the rest."""
+    split = tanh_mlp(seed=0, dtype=torch.float64)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), steps, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), steps, backend=backend)
+    return split, first, second
+
+
+@pytest.mark.parametrize("aux", ["after", "before"])
+def test_an_auxiliary_loss_added_by_plain_backward_keeps_the_second_accumulators_weight(backend, aux):
     """After first.backward(loss, weight=w), a plain backward of an auxiliary loss adds into the second's gradients
     (in place): still that micro-batch's, which the first folds with w too. The second's step() without w was
-    accepted and counted 1 (0.002 off); now it is refused, and with w both equal one accumulator over the model."""
-    whole, split = _model(), _model()
+    accepted and counted 1 (0.002 off); now it is refused, and with w both equal one accumulator over the model.
+    With the auxiliary backward first, first.backward adds into the second's p.grad in place (the same tensors, a
+    new version): the same."""
+    whole = _model()
     one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
+
+    def auxiliary(model, x):
+        (0.1 * model(x).abs().mean()).backward()
+
     for x, y in _data([2, 7]):
+        if aux == "before":
+            auxiliary(whole, x)
         one.backward(_loss(whole, x, y), weight=len(x))
-        (0.1 * whole(x).abs().mean()).backward()
+        if aux == "after":
+            auxiliary(whole, x)
         one.step()
         one.zero_grad()
+        if aux == "before":
+            auxiliary(split, x)
         first.backward(_loss(split, x, y), weight=len(x))
-        (0.1 * split(x).abs().mean()).backward()
+        if aux == "after":
+            auxiliary(split, x)
         first.step()
         with pytest.raises(ValueError, match=rf"backward\(loss, weight={len(x)}\).*\(got None;"):
             second.step()
@@ -2626,40 +2646,6 @@ def test_a_mean_window_whose_weights_sum_to_exactly_one_over_tiny_steps(backend,
     plain.step()
     for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
-
-
-def _split_accumulators(backend, steps=2):
-    """A float64 tanh_mlp with two accumulators over it: ``first`` over its first layer, ``second`` over the rest."""
-    split = tanh_mlp(seed=0, dtype=torch.float64)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), steps, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), steps, backend=backend)
-    return split, first, second
-
-
-def test_a_weighted_backward_that_adds_into_the_second_accumulators_gradients_in_place_gives_it_its_weight(backend):
-    """An auxiliary loss's plain backward first, then first.backward(loss, weight=w): autograd adds the main loss's
-    gradients into the second's p.grad in place (the same tensors, a new version). They are that micro-batch's, which
-    the first counts with w: the second's step() without w is refused, and with it both equal one accumulator."""
-    whole = tanh_mlp(seed=0, dtype=torch.float64)
-    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
-    split, first, second = _split_accumulators(backend)
-    for x, y in _data([2, 7]):
-        (0.1 * whole(x).abs().mean()).backward()
-        one.backward(_loss(whole, x, y), weight=len(x))
-        one.step()
-        one.zero_grad()
-        (0.1 * split(x).abs().mean()).backward()
-        first.backward(_loss(split, x, y), weight=len(x))
-        first.step()
-        with pytest.raises(ValueError, match=rf"backward\(loss, weight={len(x)}\).*\(got None;"):
-            second.step()
-        second.step(weight=len(x))
-        first.zero_grad()
-        second.zero_grad()
-    assert one.stepped and first.stepped and second.stepped
-    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
 
 
 def test_an_unweighted_backward_of_the_first_accumulator_asks_no_weight_of_the_second(backend):

@@ -435,12 +435,7 @@ def test_a_window_that_reaches_only_the_later_parameters_leaves_the_earlier_fini
     """The loss.backward(); opt.step() loop without zero_grad(), in eager: a window whose micro-batches reach only the
     second head releases that head's finished gradients (its hooks note it); the first head keeps its finished
     gradient, untouched. Each hook notes its own parameter: nothing is refused, and the windows are plain PyTorch's."""
-    torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)}).double()
-    reference = copy.deepcopy(model)
-    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend="reference")
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
-    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(4)]
+    model, reference, opt, plain, xs = _two_heads()
     for batch, heads in ((xs[0:2], ("used", "spare")), (xs[2:4], ("spare",))):
         for x in batch:
             sum(model[head](x) for head in heads).square().mean().backward()

@@ -194,7 +194,8 @@ def test_called_directly_every_op_refuses_a_scalar_its_backend_would_misread_and
     backend,
 ):
     """A backend reads one value of ``acc``'s dtype at a scalar's address: an empty weight was read past its end
-    (the Triton interpreter crashed), a 1-D one taken for its first element. Each scalar that is not a 0-d tensor of
+    (the Triton interpreter crashed), a 1-D one taken for its first element, a sparse one has no strided memory (the
+    reference backend scaled a segment to 0). Each scalar that is not a 0-d tensor of
     acc's dtype on its device (what ``gafused.ops`` hands the ops) is refused by name, nothing written. A scalar in
     the memory the op writes (a 0-d view of acc: what a compiled ``gafused.ops`` call passes when given one, no
     tensor having memory to copy while tracing) is read before the op writes, as in eager; an out in acc's memory is
@@ -209,6 +210,7 @@ def test_called_directly_every_op_refuses_a_scalar_its_backend_would_misread_and
         "1-D": torch.tensor([3.0, 5.0]),
         "int64": torch.tensor(3),
         "float64": torch.tensor(3.0, dtype=torch.float64),
+        "sparse": torch.tensor(3.0).to_sparse(),
     }.items():
         calls = {
             "weight": lambda bad=bad: ops._fold_op(acc, grads, offsets, numels, bad, False, backend),
@@ -231,28 +233,6 @@ def test_called_directly_every_op_refuses_a_scalar_its_backend_would_misread_and
     expected = acc * acc[5]
     ops._scale_op(acc, offsets, numels, acc[5], None, backend)
     assert torch.equal(acc, expected)
-
-
-def test_called_directly_every_op_refuses_a_sparse_scalar(backend):
-    """A 0-d sparse tensor of acc's dtype on its device has no strided memory for a backend to read one value at: the
-    reference backend scaled the second segment to 0, Triton raised from its storage. Refused by name, nothing
-    written."""
-    offsets, numels = [0, 8], [8, 4]
-    grads = [torch.full((8,), 0.5), torch.full((4,), -1.0)]
-    acc = torch.arange(1.0, 13.0)
-    before = acc.clone()
-    one = torch.tensor(1.0)
-    sparse = torch.tensor(2.0).to_sparse()
-    assert sparse.dim() == 0 and sparse.dtype == acc.dtype
-    calls = {
-        "weight": lambda: ops._fold_op(acc, grads, offsets, numels, sparse, False, backend),
-        "scale": lambda: ops._fold_finish_op(acc, grads, offsets, numels, one, sparse, False, backend),
-        "coef": lambda: ops._scale_op(acc, offsets, numels, sparse, None, backend),
-    }
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match=rf"{name} must be a dense 0-d torch.float32 tensor on cpu"):
-            call()
-        assert torch.equal(acc, before), name
 
 
 def test_called_directly_scale_reads_a_coefficient_in_outs_memory_before_it_writes(backend):
