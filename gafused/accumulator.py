@@ -375,8 +375,8 @@ class GradAccumulator(torch.optim.Optimizer):
         # The other live accumulators over some of these parameters (usually none): each one's finished gradients
         # are not new gradients for the other.
         self._overlapping: weakref.WeakSet[GradAccumulator] = weakref.WeakSet()
-        # The last weighted backward() of another accumulator that gave some of these parameters their p.grad (two
-        # optimizers over one loss): this one's step() must count that micro-batch with the same weight.
+        # The last backward() of another accumulator that gave some of these parameters their p.grad (two optimizers
+        # over one loss): this one's step() or backward() must count that micro-batch with the same weight.
         self._weighted_elsewhere: _WeightedElsewhere | None = None
         self._hooks = BucketHooks(
             [group.buffer for group in self._groups], self, [group.params for group in self._groups]
@@ -788,7 +788,10 @@ class GradAccumulator(torch.optim.Optimizer):
             loss: the micro-batch's loss (mean-reduced as usual; never divided by N): a one-element tensor that
                 requires grad. With ``grad_scaler`` set, the accumulator scales it.
             weight: this micro-batch's weight (a sample or token count), as for ``step(weight=...)``; default 1.
-                Give it to the first ``backward`` of a micro-batch; later ones may repeat it or pass None.
+                Give it to the first ``backward`` of a micro-batch; later ones may repeat it or pass None. Where
+                another accumulator's ``backward`` gave these parameters gradients still in ``p.grad`` (two optimizers
+                over one loss), this backward would add into them: refused unless the micro-batch's weight is that
+                backward's (as for ``step()``).
             end_window: this micro-batch is the window's last: its ``step()`` finishes the window and steps the
                 inner optimizer, whatever ``accumulation_steps`` says (a framework's sync step, the partial last
                 window of an epoch). Given to the micro-batch's first ``backward``, the buckets are finished as
@@ -827,6 +830,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 "backward() once"
             )
         self._check_lr_unchanged()
+        # Gradients another accumulator's backward gave these parameters: this backward adds into them and folds them
+        # with its micro-batch's weight, so they must have been given it.
+        self._check_weight_from_elsewhere(weight if micro is None else micro.given, "backward()")
         if self._grad_scaler is not None:
             loss = self._grad_scaler.scale(loss)
         if micro is None and self._sync.weight_in_loss:
@@ -887,38 +893,56 @@ class GradAccumulator(torch.optim.Optimizer):
         if others_before:
             self._tell_others(others_before, micro)
 
-    def _others_grads(self) -> dict[GradAccumulator, list[tuple[torch.Tensor, torch.Tensor | None, int]]]:
-        """Every other live accumulator's parameters with their ``p.grad`` and its version (none when this is the only
-        accumulator, the usual case): what a backward() over a loss they share changes."""
+    def _others_grads(self) -> dict[GradAccumulator, tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], Any]]:
+        """Every other live accumulator's parameters with their ``p.grad`` and its version, and what FSDP (its sync
+        off) holds unreduced of them (none when this is the only accumulator, the usual case): what a backward()
+        over a loss they share changes."""
         return {
-            other: [
-                (param, param.grad, 0 if param.grad is None else param.grad._version)
-                for group in other._groups
-                for param in group.params
-            ]
+            other: (
+                [
+                    (param, param.grad, 0 if param.grad is None else param.grad._version)
+                    for group in other._groups
+                    for param in group.params
+                ],
+                other._sync.unreduced_fingerprint(),
+            )
             for other in list(_LIVE_ACCUMULATORS or ())
             if other is not self
         }
 
     def _tell_others(
-        self, before: dict[GradAccumulator, list[tuple[torch.Tensor, torch.Tensor | None, int]]], micro: _MicroBatch
+        self,
+        before: dict[GradAccumulator, tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], Any]],
+        micro: _MicroBatch,
     ) -> None:
-        """After a weighted backward(): the other accumulators whose parameters it gave gradients learn its weight,
-        and so do those over the same FSDP2 model while FSDP holds the gradients unreduced (its sync off), which
-        no ``p.grad`` shows yet."""
-        unreduced = self._sync.unreduced_fingerprint()
-        for other, params in before.items():
+        """After a backward(): the other accumulators whose parameters it gave gradients learn its weight (given or
+        not), and so do those over the same FSDP2 model while FSDP holds the gradients unreduced (its sync off),
+        which no ``p.grad`` shows yet. Where an earlier backward at another weight gave some of the gradients still
+        held, the record says they conflict: no weight counts both alike."""
+        # As counted: a CPU tensor's value now (the caller may change the tensor later); a GPU tensor by identity.
+        given = micro.given
+        if isinstance(given, torch.Tensor) and given.device.type == "cpu":
+            given = _host_weight(given)
+        for other, (params, unreduced_before) in before.items():
             produced = [
                 weakref.ref(param.grad)
                 for param, grad, version in params
                 if param.grad is not None and (param.grad is not grad or param.grad._version != version)
             ]
-            held = _held_ids(unreduced) if unreduced is not None and other._sync.same_model(self._sync) else None
-            if produced or held is not None:
-                other._weighted_elsewhere = _WeightedElsewhere(micro.given, micro.weight, produced, held)
+            unreduced = other._sync.unreduced_fingerprint()  # of its parameters: moved if this backward reached them
+            held = _held_ids(unreduced) if unreduced is not None and unreduced != unreduced_before else None
+            if not produced and held is None:
+                continue
+            earlier = other._weight_from_elsewhere()
+            record = _WeightedElsewhere(given, micro.weight, produced, held)
+            if earlier is not None and (earlier.conflict or not _same_given(earlier.given, given)):
+                record.conflict = True
+                record.produced += earlier.produced
+                record.unreduced = record.unreduced or earlier.unreduced
+            other._weighted_elsewhere = record
 
     def _weight_from_elsewhere(self) -> _WeightedElsewhere | None:
-        """The weighted backward() of another accumulator that gave some ``p.grad`` this step() would fold, if any."""
+        """The backward() of another accumulator that gave some ``p.grad`` this step() would fold, if any."""
         record = self._weighted_elsewhere
         if record is None:
             return None
@@ -934,6 +958,38 @@ class GradAccumulator(torch.optim.Optimizer):
                 return record
         self._weighted_elsewhere = None  # its gradients were folded, released or replaced since
         return None
+
+    def _check_weight_from_elsewhere(self, given: Any, call: str) -> _WeightedElsewhere | None:
+        """Refuse folding gradients another accumulator's backward() gave these parameters with another weight than
+        that backward's (``given``: this micro-batch's, as its caller gave it). None for None (counted 1), the same
+        value otherwise: a None against a weight of 1 is refused, so that every rank decides alike, whatever its own
+        weight. Returns the record of that backward, if any."""
+        elsewhere = self._weight_from_elsewhere()
+        if elsewhere is None:
+            return None
+        drop = (
+            "drop them first (p.grad = None on this accumulator's parameters) or keep that backward off them (its "
+            "inputs=, or requires_grad_(False) meanwhile)"
+        )
+        if elsewhere.conflict:
+            raise ValueError(
+                f"weight: gradients this {call} would fold come from backward() calls of other accumulators at "
+                "different weights, added together, which no weight counts alike (nothing changed); " + drop
+            )
+        if not _same_given(given, elsewhere.given):
+            if call == "step()" and self._micro is None:
+                how = "give this step() the same weight, step(weight=w)"
+            elif call == "step()":
+                how = "this micro-batch's own backward() gave another, so " + drop + ", then call step() again"
+            else:
+                how = "give this backward() the same weight, or " + drop
+            raise ValueError(
+                f"weight: gradients this {call} would fold come from another accumulator's backward(loss, "
+                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; {how}, so both count it "
+                f"alike (got {given!r}; None where it gave none, else an equal number or CPU tensor, or the same GPU "
+                "tensor)"
+            )
+        return elsewhere
 
     def _check_weight_fits_loss(
         self, given: Any, w: torch.Tensor, bad: torch.Tensor | None, loss_dtype: torch.dtype
@@ -1103,24 +1159,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 else "weight: backward() opened this micro-batch without a weight (it counts 1); a micro-batch's "
                 "weight goes to its backward(loss, weight=w), not to step(): call step() without it"
             )
-        elsewhere = self._weight_from_elsewhere()
-        # The weight given as the other backward gave it: None for None (counted 1), the same value otherwise; a None
-        # against a weight of 1 is refused, so that every rank decides alike, whatever its own weight.
-        given = weight if micro is None else micro.given
-        if elsewhere is not None and (
-            (given is None) != (elsewhere.given is None) or not _same_weight(given, elsewhere.given)
-        ):
-            how = (
-                "give this step() the same weight, step(weight=w)"
-                if micro is None
-                else "give this micro-batch's own backward() the same weight"
-            )
-            raise ValueError(
-                f"weight: gradients this step() would fold come from another accumulator's backward(loss, "
-                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; {how}, so both count it "
-                f"alike (got {given!r}; None where it gave none, else an equal number or CPU tensor, or the same GPU "
-                "tensor)"
-            )
+        elsewhere = self._check_weight_from_elsewhere(weight if micro is None else micro.given, "step()")
         if micro is None:
             if weight is not None and self._sync.weight_in_loss and elsewhere is None:
                 raise ValueError(
@@ -2588,17 +2627,23 @@ class _MicroBatch:
 
 @dataclass
 class _WeightedElsewhere:
-    """Another accumulator's weighted backward() that gave some of this one's parameters their ``p.grad``."""
+    """Another accumulator's backward() that gave some of this one's parameters their ``p.grad``."""
 
-    given: float | torch.Tensor  # the weight as its caller gave it
+    given: float | torch.Tensor | None  # the weight as its caller gave it (a CPU tensor: its value then; None: 1)
     weight: torch.Tensor  # as that backward counted it (float64 0-d; FSDP2: rounded to the loss's dtype)
     produced: list[weakref.ref]  # the gradients it gave this accumulator's parameters
     unreduced: tuple[int, ...] | None = None  # FSDP2, its sync off: the ids of what FSDP held unreduced after it
+    conflict: bool = False  # added to gradients an earlier backward at another weight gave, still held
 
 
 def _held_ids(fingerprint: Any) -> tuple[int, ...] | None:
     """The tensors of an ``unreduced_fingerprint`` (pairs of id and version), by id alone."""
     return None if fingerprint is None else tuple(identity for identity, _ in fingerprint)
+
+
+def _same_given(weight: Any, given: Any) -> bool:
+    """Whether two weights as callers gave them count alike: None (1) only as None, else as ``_same_weight``."""
+    return (weight is None) == (given is None) and _same_weight(weight, given)
 
 
 def _same_weight(weight: Any, given: Any) -> bool:

@@ -403,6 +403,9 @@ class FSDPSync(Sync):
         self.rank = dist.get_rank(self.group)
         self.fold_factor = self._divide_factor()
         self._dtensor = DTensor
+        # What FSDP holds unreduced is read for these parameters alone: another accumulator over the same model has
+        # its own (two optimizers over one model).
+        self._param_ids = frozenset(id(param) for param in params)
         self._user_sync: list[tuple[Any, bool, bool]] = []  # FSDP param groups' sync flags before a last backward
 
     def window_started(self) -> None:
@@ -473,10 +476,13 @@ class FSDPSync(Sync):
         for param_group in self._param_groups():  # every group of a module that has several (newer torch)
             yield from getattr(param_group, "fsdp_params", ())
 
+    def _own_fsdp_params(self) -> Iterator[Any]:
+        return (fsdp_param for fsdp_param in self._fsdp_params() if id(fsdp_param.sharded_param) in self._param_ids)
+
     def _held(self) -> Iterator[torch.Tensor]:
         # What FSDP's post-backward reduce-scatters when the sync is on: an accumulated unsharded gradient, or the
         # unsharded parameter's own.
-        for fsdp_param in self._fsdp_params():
+        for fsdp_param in self._own_fsdp_params():
             accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
             if accumulated is not None:
                 yield accumulated
@@ -493,7 +499,7 @@ class FSDPSync(Sync):
         return held or None
 
     def drop_unreduced(self) -> None:
-        for fsdp_param in self._fsdp_params():
+        for fsdp_param in self._own_fsdp_params():
             if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
                 fsdp_param.unsharded_accumulated_grad = None
             unsharded = getattr(fsdp_param, "_unsharded_param", None)

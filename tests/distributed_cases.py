@@ -732,6 +732,7 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_fsdp_zero_grad_after_a_load(rank))
     said.update(_ddp_split_cases(rank))
     said.update(_split_backward_cases(rank))
+    said.update(_fsdp_split_own_losses(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
     return said
 
@@ -777,6 +778,47 @@ def _split_backward_cases(rank: int) -> dict[str, str]:
         said[f"{case} split backward equals one"] = str(equal)
         gc.collect()
     return said
+
+
+def _fsdp_split_own_losses(rank: int) -> dict[str, str]:
+    """Two accumulators over one FSDP2 model, its gradient sync off for the early micro-batches, each with its own
+    backward(loss, weight=w) of a loss that reaches its own parameters alone, at different weights. What FSDP holds
+    unreduced of the first's parameters is none of the second's: its step() was refused as if the first's backward
+    had given it gradients. Each equals an accumulator run alone over its parameters, bitwise."""
+    import gafused
+
+    def own_losses(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            hidden = torch.tanh(model[0](x))
+        return model[0](x).square().mean(), model[4](torch.tanh(model[2](hidden))).square().mean()
+
+    finished = []
+    for which in ("both", "first", "second"):
+        model = _wrap("fsdp", rank)
+        model.set_requires_gradient_sync(False)  # opt.backward() turns it on for the window's last micro-batch
+        params = list(model.parameters())
+        parts = {"first": params[:2], "second": params[2:]}
+        opts = {
+            name: gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model)
+            for name, part in parts.items()
+            if which in ("both", name)
+        }
+        for micro in range(N):  # one window: the first layer's step comes after every micro-batch's losses
+            x, _ = micro_batch(rank, 0, micro)
+            losses = dict(zip(("first", "second"), own_losses(model, x), strict=True))
+            weights = {"first": x.shape[0], "second": x.shape[0] + 1 + micro}  # never equal: every rank alike
+            for name, opt in opts.items():
+                opt.backward(losses[name], weight=weights[name])
+            for opt in opts.values():
+                said_step = _said(ValueError, opt.step)
+                if said_step != "no error":
+                    return {"fsdp sync off split own losses": said_step}
+        finished.append({name: [_full(param) for param in part] for name, part in parts.items()})
+        gc.collect()
+    both, alone = finished[0], {name: finished[index + 1][name] for index, name in enumerate(("first", "second"))}
+    equal = all(all(map(torch.equal, both[name], alone[name])) for name in ("first", "second"))
+    moved = all(not torch.equal(a, b) for a, b in zip(both["second"], finished[1]["second"], strict=True))
+    return {"fsdp sync off split own losses": str(equal and moved)}
 
 
 def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:

@@ -2743,9 +2743,99 @@ def test_the_second_accumulators_own_backward_loop_refuses_what_the_first_gave_a
     before = [buffer.data.clone() for buffer in second.buffers]
     first.backward(_loss(split, x, y), weight=5)
     first.step()
-    with pytest.raises(ValueError, match=r"backward\(loss, weight=5\).*own backward\(\) the same weight.*got 3;"):
+    with pytest.raises(ValueError, match=r"backward\(loss, weight=5\).*own backward\(\) gave another.*got 3;"):
         second.step()
     assert second.micro_step == 0 and all(map(torch.equal, [b.data for b in second.buffers], before))
+    for param in list(split.parameters())[2:]:
+        param.grad = None  # the way out the error names: the micro-batch is then the second's own backward alone
+    second.step()
+    assert second.micro_step == 1
+
+
+@pytest.mark.parametrize("another", [True, False])
+def test_the_second_accumulators_own_backward_refuses_what_the_first_gave_at_another_weight_before_folding(
+    backend, another
+):
+    """first.backward(loss, weight=w) gives the second's parameters gradients; second.backward(loss, weight=w + 1) (or
+    without one) would add into them and fold them at its own weight during backward, silently (the other order is
+    refused at step()): refused before anything changes. With the same weight both count the micro-batch alike and
+    equal one accumulator over the model."""
+    whole = tanh_mlp(seed=0, dtype=torch.float64)
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    split, first, second = _split_accumulators(backend)
+
+    def own(model, x):  # reaches the second's parameters only
+        return model[2](torch.tanh(model[0](x)).detach()).square().mean()
+
+    for x, y in _data([3, 4]):
+        one.backward(_loss(whole, x, y), weight=len(x))
+        one.backward(own(whole, x))
+        one.step()
+        one.zero_grad()
+        own_loss = own(split, x)  # before first.step() changes the first layer, as in one's micro-batch
+        first.backward(_loss(split, x, y), weight=len(x))
+        held = [param.grad for param in list(split.parameters())[2:]]
+        versions = [grad._version for grad in held]
+        before = [buffer.data.clone() for buffer in second.buffers]
+        own_weight = len(x) + 1 if another else None
+        with pytest.raises(ValueError, match=rf"this backward\(\) would fold.*weight={len(x)}\).*got {own_weight};"):
+            second.backward(own_loss, weight=own_weight)
+        assert all(p.grad is g for p, g in zip(list(split.parameters())[2:], held, strict=True))
+        assert [grad._version for grad in held] == versions
+        assert all(map(torch.equal, [b.data for b in second.buffers], before))
+        second.backward(own_loss, weight=len(x))
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    assert one.stepped and first.stepped and second.stepped
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_gradients_two_backward_calls_gave_at_different_weights_are_refused_at_every_weight(backend, loop):
+    """The second leaves a micro-batch out without dropping its gradients: first.backward(loss, weight=7) adds into
+    what first.backward(loss, weight=5) gave (in place). The sum holds both micro-batches at their weights, which no
+    one weight counts alike; the record kept only the latest, so step(weight=7) folded both at 7. Every weight is
+    refused, nothing changed; once dropped, the second takes its next micro-batch as usual."""
+    split, first, second = _split_accumulators(backend, 3)
+    (x, y), (x2, y2), (x3, y3) = _data([3, 4, 2])
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    first.backward(_loss(split, x2, y2), weight=7)
+    first.step()
+    held = [param.grad.clone() for param in list(split.parameters())[2:]]
+    for weight in (None, 5, 7):
+        with pytest.raises(ValueError, match=r"other accumulators at different weights.*p\.grad = None"):
+            if loop == "step":
+                second.step(weight=weight)
+            else:
+                second.backward(split[2](torch.tanh(split[0](x)).detach()).sum(), weight=weight)
+    assert second.micro_step == 0
+    assert all(map(torch.equal, [param.grad for param in list(split.parameters())[2:]], held))
+    second.zero_grad()
+    first.zero_grad()
+    first.backward(_loss(split, x3, y3), weight=2)
+    first.step()
+    second.step(weight=2)
+    assert second.micro_step == 1
+
+
+def test_a_cpu_weight_tensor_changed_after_the_first_accumulators_backward_counts_as_it_was_then(backend):
+    """first.backward(loss, weight=t) counted t's value then (5); the caller reuses t for the next count (7). The
+    second's step(weight=t) would compare t with itself and fold at 7: refused; 5, as counted, is taken."""
+    split, first, second = _split_accumulators(backend)
+    ((x, y),) = _data([3])
+    count = torch.tensor(5.0)
+    first.backward(_loss(split, x, y), weight=count)
+    first.step()
+    count.fill_(7.0)
+    for wrong in (count, 7):
+        with pytest.raises(ValueError, match=r"backward\(loss, weight=5\.0\)"):
+            second.step(weight=wrong)
+    second.step(weight=5)
+    assert second.micro_step == 1
 
 
 def test_an_unweighted_backward_of_the_first_accumulator_refuses_a_weight_at_the_seconds_step(backend):

@@ -366,6 +366,8 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["two accumulators equal one"] == "True"
         # A weight float32 rounds (the loss carries it): the second counts it as the first's backward did.
         assert said["fsdp fractional split backward equals one"] == "True"
+        # Each accumulator's own loss and weight under FSDP2 with its sync off: neither takes the other's for its own.
+        assert said["fsdp sync off split own losses"] == "True", said["fsdp sync off split own losses"]
         for case in ("ddp", "fsdp", "fsdp sync off"):
             assert said[f"{case} split backward equals one"] == "True"
             refused = said[f"{case} split step without the weight"]
