@@ -416,6 +416,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 other._release_published()
                 other._overlapping.add(self)
                 self._overlapping.add(other)
+        self._inner_hook = optimizer.register_step_pre_hook(_refuse_direct_inner_step(weakref.ref(self)))
         _LIVE_ACCUMULATORS.add(self)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -454,9 +455,9 @@ class GradAccumulator(torch.optim.Optimizer):
             # The finished gradients are views of buffers about to go: an accumulator built next over the same
             # parameters would take them for new gradients and fold them again.
             self._release_published()
-        model_hook = state.get("_model_hook")
-        if model_hook is not None:
-            model_hook.remove()
+        for hook in (state.get("_model_hook"), state.get("_inner_hook")):
+            if hook is not None:
+                hook.remove()
         if state.get("_attached", False) and not any(
             other is not self and other._sync.same_model(self._sync)
             for other in list(_LIVE_ACCUMULATORS or ())  # None once the module is torn down at interpreter exit
@@ -530,6 +531,12 @@ class GradAccumulator(torch.optim.Optimizer):
                     raise ValueError(
                         f"{name}: parameters must hold data, got one on the meta device; build GradAccumulator after "
                         "the model is materialized (model.to_empty(device=...), then its initialization)"
+                    )
+                if not param.is_leaf:
+                    raise ValueError(
+                        f"{name}: parameters must be leaf tensors (autograd gives them .grad), got the result of an "
+                        f"operation ({type(param.grad_fn).__name__}); a differentiable step through non-leaf "
+                        "tensors is not supported (the accumulator folds gradients' values)"
                     )
                 grad_dtype = getattr(param, "grad_dtype", None)
                 if grad_dtype is not None and grad_dtype != param.dtype:
@@ -1066,6 +1073,14 @@ class GradAccumulator(torch.optim.Optimizer):
             The closure's result, or None without a closure.
         """
         self._check_not_stepping("step()")
+        if self._grad_scaler is None and _called_from(_GRAD_SCALER_MODULE, "_maybe_opt_step"):
+            raise RuntimeError(
+                "step(): called by GradScaler.step(opt), but the GradAccumulator was built without grad_scaler=: the "
+                "scaler would skip the step() of a micro-batch whose gradients overflowed (dropping it from the "
+                "window, and shifting every later window by one) and change its scale per micro-batch. Build the "
+                "GradAccumulator with grad_scaler=scaler and call opt.step(), not scaler.step(opt) or "
+                "scaler.update(); nothing was folded"
+            )
         if closure is not None and not callable(closure):
             raise TypeError(
                 f"step(): closure must be callable or None, got {type(closure).__name__}; a micro-batch weight is "
@@ -1073,7 +1088,7 @@ class GradAccumulator(torch.optim.Optimizer):
             )
         ops.check_bool(end_window, "end_window")
         self._check_not_unscaled()
-        if closure is None and _called_from_dcp("_init_optim_state"):
+        if closure is None and _called_from(_DCP_MODULE, "_init_optim_state"):
             self._init_inner_state_for_dcp()
             return None
         if closure is None:
@@ -1142,7 +1157,8 @@ class GradAccumulator(torch.optim.Optimizer):
         shifted by one), so the window is not touched. With a window or a micro-batch open nothing is stepped: the
         state_dict() or load_state_dict() DCP calls next refuses, since DCP keeps no window."""
         if self._micro_step == 0 and self._micro is None:
-            self._optimizer.step()
+            with _inner_step(self._optimizer):
+                self._optimizer.step()
 
     def _at_window_edge(self, end_window: bool) -> bool:
         """Whether the micro-batch that step() is about to end starts or ends a window."""
@@ -1372,7 +1388,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._check_not_stepping("zero_grad()")
         micro = self._micro
         # torch.distributed.checkpoint releases the zeros it stepped the inner optimizer with: not the user's call.
-        if micro is not None and not _called_from_dcp("_init_optim_state"):
+        if micro is not None and not _called_from(_DCP_MODULE, "_init_optim_state"):
             # FSDP with its sync off holds the micro-batch's gradients, summed with the window's earlier ones.
             folded = micro.folded or self._sync.holds_unreduced()
             if folded and (self._micro_step > 0 or self._reducing):
@@ -1814,7 +1830,9 @@ class GradAccumulator(torch.optim.Optimizer):
             raise RuntimeError(
                 f"the inner optimizer now has {count} parameters, GradAccumulator was built for "
                 f"{len(self._managed)}: its parameters changed (add_param_group(), or params added to or removed from "
-                "a param group); build a new GradAccumulator after changing them"
+                "a param group); build a new GradAccumulator after changing them. An open window is lost then: to "
+                "finish or save it first, take the change back (optimizer.param_groups.pop() after "
+                "add_param_group())"
             )
 
     def _claim_grad_scaler(self) -> None:
@@ -2114,7 +2132,8 @@ class GradAccumulator(torch.optim.Optimizer):
                             "a GradAccumulator step pre-hook must return None (or the empty arguments it was given): "
                             "it runs before the inner step, which takes no arguments to change"
                         )
-                self._optimizer.step()
+                with _inner_step(self._optimizer):
+                    self._optimizer.step()
             finally:
                 self._stepping = False
         except BaseException as error:
@@ -2359,7 +2378,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "outside the accumulator's buffers, so a checkpoint would lose them. Take it at a window's end (when "
                 "opt.stepped is True), or keep FSDP's sync on in windows that may be checkpointed"
             )
-        if self._micro_step > 0 and _called_from_dcp("_get_optim_state_dict"):
+        if self._micro_step > 0 and _called_from(_DCP_MODULE, "_get_optim_state_dict"):
             folded = f"{self._micro_step} micro-batch{'es' if self._micro_step > 1 else ''} folded"
             raise RuntimeError(
                 f"state_dict(): torch.distributed.checkpoint keeps only an optimizer state_dict's 'state' and "
@@ -2576,20 +2595,55 @@ def _same_memory_order(shape: torch.Size, strides: tuple[int, ...], built: tuple
 _SCALER_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _called_from_dcp(function: str) -> bool:
-    """Whether torch.distributed.checkpoint's ``function`` (in ``torch.distributed.checkpoint.state_dict``) is
-    among the few callers above the accumulator method asking."""
+def _called_from(module: str, function: str) -> bool:
+    """Whether ``module``'s ``function`` (torch.distributed.checkpoint's, GradScaler's) is among the few callers
+    above the method asking."""
     frame = sys._getframe(2)
     for _ in range(16):  # wrappers of the method (torch's, an LR scheduler's, a subclass's), then the caller
         if frame is None:
             return False
-        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == _DCP_MODULE:
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
             return True
         frame = frame.f_back
     return False
 
 
 _DCP_MODULE = "torch.distributed.checkpoint.state_dict"
+_GRAD_SCALER_MODULE = "torch.amp.grad_scaler"
+
+# The inner optimizers (by id) an accumulator is stepping now: any other step of one of them is refused
+# (_refuse_direct_inner_step).
+_INNER_STEPPING: set[int] = set()
+
+
+@contextlib.contextmanager
+def _inner_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    _INNER_STEPPING.add(id(optimizer))
+    try:
+        yield
+    finally:
+        _INNER_STEPPING.discard(id(optimizer))
+
+
+def _refuse_direct_inner_step(accumulator: weakref.ref) -> Callable[..., None]:
+    """A step pre-hook for the inner optimizer: stepped by the user (``optimizer.step()``, ``scaler.step(optimizer)``
+    on the optimizer that was wrapped, still in scope), it would step on one micro-batch's gradient, outside the
+    window, silently. Refused while the accumulator lives, except its own step and torch.distributed.checkpoint's
+    zero step that creates the optimizer's state (lr 0)."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in _INNER_STEPPING or accumulator() is None:
+            return
+        if _called_from(_DCP_MODULE, "_init_optim_state"):
+            return
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() was called on the optimizer a GradAccumulator wraps: it would step "
+            "on one micro-batch's gradient, outside the accumulation window; nothing changed. Call step() of the "
+            "GradAccumulator, which steps this optimizer once per window (with a GradScaler: give it as "
+            "grad_scaler= and call no scaler.step)"
+        )
+
+    return hook
 
 
 class _OnTheWrapped:

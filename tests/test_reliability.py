@@ -906,6 +906,61 @@ def test_parameters_on_the_meta_device_are_refused_by_name():
         GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
 
 
+def test_non_leaf_parameters_are_refused_by_name():
+    """torch's differentiable optimizers take non-leaf tensors (meta-learning); autograd gives them no .grad, and
+    the accumulator folds values: refused by name, not torch's error about grad_dtype."""
+    weight = torch.randn(3, requires_grad=True).clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*leaf tensors.*CloneBackward0"):
+        GradAccumulator(torch.optim.SGD([weight], lr=0.1, differentiable=True), 2)
+
+
+@pytest.mark.parametrize("call", ["optimizer.step()", "scaler.step(optimizer)"])
+def test_the_wrapped_optimizer_stepped_directly_is_refused_while_the_accumulator_lives(backend, call):
+    """Existing code keeps stepping the optimizer it wrapped (still in scope): it stepped on each micro-batch's own
+    gradient, outside the window, silently. Refused, nothing changed; the accumulator steps it once per window as
+    before (also through an LR scheduler built on it, which wraps its step), and once the accumulator is gone the
+    optimizer steps as usual."""
+    model = tanh_mlp(seed=0, dtype=torch.float64)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = GradAccumulator(inner, 2, backend=backend)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    x, x2 = _batches(2)
+    before = [param.detach().clone() for param in model.parameters()]
+    (_loss(model, x) if call == "optimizer.step()" else scaler.scale(_loss(model, x))).backward()
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\) was called on the optimizer a GradAccumulator wraps"):
+        inner.step() if call == "optimizer.step()" else scaler.step(inner)
+    assert all(map(torch.equal, model.parameters(), before)) and opt.micro_step == 0 and not inner.state
+    model.zero_grad()
+    _loss(model, x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.backward(_loss(model, x2))
+    opt.step()
+    assert opt.stepped and not all(map(torch.equal, model.parameters(), before))
+    scheduler.step()
+    assert inner.param_groups[0]["lr"] == 0.05
+    del opt
+    gc.collect()
+    after = [param.detach().clone() for param in model.parameters()]
+    _loss(model, x).backward()
+    inner.step()
+    assert not all(map(torch.equal, model.parameters(), after))
+
+
+def test_grad_scaler_step_of_an_accumulator_built_without_it_is_refused(backend):
+    """The AMP recipe kept as it was, scaler.step(opt) on each micro-batch, without grad_scaler=: the scaler skips the
+    step() of a micro-batch that overflowed, which zero_grad() then drops, and every later window shifts by one
+    (silently, the scale changed per micro-batch). Refused at the first step() it makes, nothing folded."""
+    model = tanh_mlp(seed=0, dtype=torch.float64)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(_loss(model, _batches(1)[0])).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler\.step\(opt\).*without grad_scaler=.*nothing was folded"):
+        scaler.step(opt)
+    assert opt.micro_step == 0 and all(not buffer.data.any() for buffer in opt.buffers)
+
+
 def test_a_checkpoint_whose_device_weight_was_bad_loads_and_its_window_is_refused_at_the_end():
     """A GPU weight is checked on the device and refused at the window's end; a checkpoint taken before that holds
     its window with bad_weight set and whatever weight sum the bad weight made (nan here). It loads (as the run it
