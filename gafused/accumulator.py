@@ -907,7 +907,7 @@ class GradAccumulator(torch.optim.Optimizer):
         return {
             other: (
                 [
-                    (param, param.grad, 0 if param.grad is None else param.grad._version)
+                    (param, param.grad, 0 if param.grad is None else _grad_version(param.grad))
                     for group in other._groups
                     for param in group.params
                 ],
@@ -924,25 +924,26 @@ class GradAccumulator(torch.optim.Optimizer):
     ) -> None:
         """After a backward(): the other accumulators whose parameters it gave gradients learn its weight (given or
         not), and so do those over the same FSDP2 model while FSDP holds the gradients unreduced (its sync off),
-        which no ``p.grad`` shows yet. Where an earlier backward at another weight gave some of the gradients still
-        held, the record says they conflict: no weight counts both alike."""
-        # As counted: a CPU tensor's value now (the caller may change the tensor later); a GPU tensor by identity.
-        given = micro.given
-        if isinstance(given, torch.Tensor) and given.device.type == "cpu":
-            given = _host_weight(given)
+        which no ``p.grad`` shows yet. Where an earlier backward at another weight, or of another micro-batch of
+        this accumulator, gave some of the gradients still held, the record says they conflict: no weight counts
+        them as one micro-batch."""
+        given = micro.counted  # a GPU tensor by identity
         for other, (params, unreduced_before) in before.items():
             produced = [
                 weakref.ref(param.grad)
                 for param, grad, version in params
-                if param.grad is not None and (param.grad is not grad or param.grad._version != version)
+                if param.grad is not None and (param.grad is not grad or _grad_version(param.grad) != version)
             ]
             unreduced = other._sync.unreduced_fingerprint()  # of its parameters: moved if this backward reached them
             held = _held_ids(unreduced) if unreduced is not None and unreduced != unreduced_before else None
             if not produced and held is None:
                 continue
             earlier = other._weight_from_elsewhere()
-            record = _WeightedElsewhere(given, micro.weight, produced, held)
-            if earlier is not None and (earlier.conflict or not _same_given(earlier.given, given)):
+            record = _WeightedElsewhere(given, micro.weight, produced, held, source=(id(self), micro.serial))
+            # Still held from another micro-batch of this accumulator (the other left one out without zero_grad()):
+            # two micro-batches summed, which no step() counts as one, whatever the weights (every rank alike).
+            again = earlier is not None and earlier.source[0] == id(self) and earlier.source[1] != micro.serial
+            if earlier is not None and (earlier.conflict or again or not _same_given(earlier.given, given)):
                 record.conflict = True
                 record.produced += earlier.produced
                 record.unreduced = record.unreduced or earlier.unreduced
@@ -974,25 +975,32 @@ class GradAccumulator(torch.optim.Optimizer):
         elsewhere = self._weight_from_elsewhere()
         if elsewhere is None:
             return None
-        drop = (
-            "drop them first (p.grad = None on this accumulator's parameters) or keep that backward off them (its "
-            "inputs=, or requires_grad_(False) meanwhile)"
-        )
+        if elsewhere.unreduced is None:
+            drop = "drop them first (p.grad = None on this accumulator's parameters)"
+            if call == "backward()":  # not too late for the next micro-batch
+                drop += " or keep that backward off them (its inputs=, or requires_grad_(False) meanwhile)"
+        else:
+            drop = (
+                "FSDP holds them unreduced (its gradient sync off), where they cannot be dropped alone: zero_grad() "
+                "drops them with the window's first micro-batch; later micro-batches cannot be told from them"
+            )
         if elsewhere.conflict:
             raise ValueError(
-                f"weight: gradients this {call} would fold come from backward() calls of other accumulators at "
-                "different weights, added together, which no weight counts alike (nothing changed); " + drop
+                f"weight: gradients this {call} would fold hold more than one micro-batch of other accumulators' "
+                "backward() calls (one left out here without zero_grad(), or two weights added together), which no "
+                "weight counts as one micro-batch (nothing changed); " + drop
             )
         if not _same_given(given, elsewhere.given):
-            if call == "step()" and self._micro is None:
-                how = "give this step() the same weight, step(weight=w)"
+            if self._micro is not None:
+                how = f"this micro-batch's own backward() gave {given!r}, so " + drop
+                how += ", then call step() again" if call == "step()" else ""
             elif call == "step()":
-                how = "this micro-batch's own backward() gave another, so " + drop + ", then call step() again"
+                how = "give this step() the same weight, step(weight=w)"
             else:
-                how = "give this backward() the same weight, or " + drop
+                how = "give this backward() the same weight, or count them first with step(weight=w), or " + drop
             raise ValueError(
                 f"weight: gradients this {call} would fold come from another accumulator's backward(loss, "
-                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; {how}, so both count it "
+                f"weight={elsewhere.given!r}), which counts that micro-batch with its weight; {how}; so both count it "
                 f"alike (got {given!r}; None where it gave none, else an equal number or CPU tensor, or the same GPU "
                 "tensor)"
             )
@@ -1463,7 +1471,15 @@ class GradAccumulator(torch.optim.Optimizer):
             group.bucket_touched = [False] * len(group.bucket_touched)
             group.bucket_results = [None] * len(group.bucket_results)
         self._micro = _MicroBatch(
-            given=given, weight=w, weight_sum=weight_sum, last=last, ends_window=last, bad_weight=bad
+            given=given,
+            weight=w,
+            weight_sum=weight_sum,
+            last=last,
+            ends_window=last,
+            bad_weight=bad,
+            # A CPU tensor's value now, as counted (the caller may change the tensor before a later backward).
+            counted=_host_weight(given) if isinstance(given, torch.Tensor) and given.device.type == "cpu" else given,
+            serial=next(_MICRO_SERIALS),
         )
         return self._micro
 
@@ -2331,6 +2347,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._drop_reductions()
         self._drop_unreduced()
         self._release_grads()
+        self._weighted_elsewhere = None  # what it recorded went with the gradients
         self._micro = None
         for group in self._groups:
             group.fold_weight = group.scale = None
@@ -2677,6 +2694,8 @@ class _MicroBatch:
     bad_weight: torch.Tensor | None = None  # device flag for a tensor weight checked on the device
     folded: bool = False  # an earlier backward() of this micro-batch folded something
     folded_in_call: bool = False  # the running backward() folded something
+    counted: float | torch.Tensor | None = None  # given, a CPU tensor as its value at the opening
+    serial: int = 0  # which micro-batch, unique in the process
 
 
 @dataclass
@@ -2687,7 +2706,17 @@ class _WeightedElsewhere:
     weight: torch.Tensor  # as that backward counted it (float64 0-d; FSDP2: rounded to the loss's dtype)
     produced: list[weakref.ref]  # the gradients it gave this accumulator's parameters
     unreduced: tuple[int, ...] | None = None  # FSDP2, its sync off: the ids of what FSDP held unreduced after it
-    conflict: bool = False  # added to gradients an earlier backward at another weight gave, still held
+    conflict: bool = False  # added to gradients an earlier backward gave, still held (another micro-batch or weight)
+    source: tuple[int, int] = (0, 0)  # (id of the accumulator whose backward gave them, its micro-batch's serial)
+
+
+_MICRO_SERIALS = itertools.count(1)
+
+
+def _grad_version(grad: torch.Tensor) -> int:
+    """A gradient's version; a DTensor's is its local tensor's (FSDP2 adds into ``_local_tensor`` in place, which
+    leaves the wrapper's own counter as it was)."""
+    return getattr(grad, "_local_tensor", grad)._version
 
 
 def _held_ids(fingerprint: Any) -> tuple[int, ...] | None:

@@ -406,6 +406,7 @@ class FSDPSync(Sync):
         # What FSDP holds unreduced is read for these parameters alone: another accumulator over the same model has
         # its own (two optimizers over one model).
         self._param_ids = frozenset(id(param) for param in params)
+        self._own: list[Any] | None = None
         self._user_sync: list[tuple[Any, bool, bool]] = []  # FSDP param groups' sync flags before a last backward
 
     def window_started(self) -> None:
@@ -476,8 +477,15 @@ class FSDPSync(Sync):
         for param_group in self._param_groups():  # every group of a module that has several (newer torch)
             yield from getattr(param_group, "fsdp_params", ())
 
-    def _own_fsdp_params(self) -> Iterator[Any]:
-        return (fsdp_param for fsdp_param in self._fsdp_params() if id(fsdp_param.sharded_param) in self._param_ids)
+    def _own_fsdp_params(self) -> list[Any]:
+        # FSDP's FSDPParam objects live as long as the model: found once (a walk of every module), found again if
+        # one of them holds another parameter since.
+        own = self._own
+        if own is None or any(id(fsdp_param.sharded_param) not in self._param_ids for fsdp_param in own):
+            own = self._own = [
+                fsdp_param for fsdp_param in self._fsdp_params() if id(fsdp_param.sharded_param) in self._param_ids
+            ]
+        return own
 
     def _held(self) -> Iterator[torch.Tensor]:
         # What FSDP's post-backward reduce-scatters when the sync is on: an accumulated unsharded gradient, or the

@@ -733,6 +733,7 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_ddp_split_cases(rank))
     said.update(_split_backward_cases(rank))
     said.update(_fsdp_split_own_losses(rank))
+    said.update(_split_left_out_micro_batch(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
     return said
 
@@ -819,6 +820,33 @@ def _fsdp_split_own_losses(rank: int) -> dict[str, str]:
     equal = all(all(map(torch.equal, both[name], alone[name])) for name in ("first", "second"))
     moved = all(not torch.equal(a, b) for a, b in zip(both["second"], finished[1]["second"], strict=True))
     return {"fsdp sync off split own losses": str(equal and moved)}
+
+
+def _split_left_out_micro_batch(rank: int) -> dict[str, str]:
+    """Two accumulators over one model: the second leaves a micro-batch out without zero_grad(), so the first's next
+    backward adds into what its last gave the second's parameters. FSDP2 adds into the DTensor gradient's local
+    tensor, which left the DTensor's version as it was: the record kept the first micro-batch's weight and
+    step(weight=5) was taken for two micro-batches. Refused at every weight, on every rank (the ranks' weights
+    differ), nothing changed."""
+    import gafused
+
+    said: dict[str, str] = {}
+    for kind in ("ddp", "fsdp"):
+        model = _wrap(kind, rank)
+        params = list(model.parameters())
+        first = gafused.GradAccumulator(torch.optim.SGD(params[:2], lr=LR), N, model=model)
+        second = gafused.GradAccumulator(torch.optim.SGD(params[2:], lr=LR), N, model=model)
+        weights = (5, 5 + rank)  # equal on rank 0, not on rank 1: every rank must decide alike
+        for micro, weight in enumerate(weights):
+            x, y = micro_batch(rank, 0, micro)
+            first.backward(token_losses(model, x, y).mean(), weight=weight)
+            first.step()
+        for weight in sorted(set(weights)) + [None]:
+            said[f"{kind} left-out micro-batch step({weight})"] = _said(ValueError, second.step, weight=weight)
+        said[f"{kind} left-out micro-batch micro_step"] = str(second.micro_step)
+        del first, second
+        gc.collect()
+    return said
 
 
 def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:

@@ -2743,7 +2743,8 @@ def test_the_second_accumulators_own_backward_loop_refuses_what_the_first_gave_a
     before = [buffer.data.clone() for buffer in second.buffers]
     first.backward(_loss(split, x, y), weight=5)
     first.step()
-    with pytest.raises(ValueError, match=r"backward\(loss, weight=5\).*own backward\(\) gave another.*got 3;"):
+    refused = r"backward\(loss, weight=5\).*own backward\(\) gave 3, so drop them.*p\.grad = None.*got 3;"
+    with pytest.raises(ValueError, match=refused):
         second.step()
     assert second.micro_step == 0 and all(map(torch.equal, [b.data for b in second.buffers], before))
     for param in list(split.parameters())[2:]:
@@ -2793,21 +2794,23 @@ def test_the_second_accumulators_own_backward_refuses_what_the_first_gave_at_ano
         torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
 
 
+@pytest.mark.parametrize("later", [7, 5])
 @pytest.mark.parametrize("loop", ["step", "backward"])
-def test_gradients_two_backward_calls_gave_at_different_weights_are_refused_at_every_weight(backend, loop):
+def test_gradients_two_micro_batches_of_the_first_accumulator_gave_are_refused_at_every_weight(backend, loop, later):
     """The second leaves a micro-batch out without dropping its gradients: first.backward(loss, weight=7) adds into
-    what first.backward(loss, weight=5) gave (in place). The sum holds both micro-batches at their weights, which no
-    one weight counts alike; the record kept only the latest, so step(weight=7) folded both at 7. Every weight is
-    refused, nothing changed; once dropped, the second takes its next micro-batch as usual."""
+    what first.backward(loss, weight=5) gave (in place). The sum holds both micro-batches, which no one weight counts
+    as one; the record kept only the latest, so step(weight=7) folded both at 7 (and at equal weights, 5 and 5, as one
+    micro-batch of 5, on a rank whose counts happened to be equal while another rank's were refused). Every weight
+    is refused, nothing changed; once dropped, the second takes its next micro-batch as usual."""
     split, first, second = _split_accumulators(backend, 3)
     (x, y), (x2, y2), (x3, y3) = _data([3, 4, 2])
     first.backward(_loss(split, x, y), weight=5)
     first.step()
-    first.backward(_loss(split, x2, y2), weight=7)
+    first.backward(_loss(split, x2, y2), weight=later)
     first.step()
     held = [param.grad.clone() for param in list(split.parameters())[2:]]
     for weight in (None, 5, 7):
-        with pytest.raises(ValueError, match=r"other accumulators at different weights.*p\.grad = None"):
+        with pytest.raises(ValueError, match=r"more than one micro-batch of other accumulators.*p\.grad = None"):
             if loop == "step":
                 second.step(weight=weight)
             else:
@@ -2819,6 +2822,23 @@ def test_gradients_two_backward_calls_gave_at_different_weights_are_refused_at_e
     first.backward(_loss(split, x3, y3), weight=2)
     first.step()
     second.step(weight=2)
+    assert second.micro_step == 1
+
+
+def test_a_cpu_weight_tensor_changed_between_two_backward_calls_of_a_micro_batch_counts_its_first_value(backend):
+    """first.backward(loss, weight=t) opens its micro-batch with t's value (5); the caller changes t, then a second
+    backward of that micro-batch (weight None: the micro-batch's) adds to the second's gradients. One micro-batch,
+    counted 5: the second's step(weight=5) is taken (it was refused as a conflict of 5 and 7), 7 refused."""
+    split, first, second = _split_accumulators(backend)
+    ((x, y),) = _data([3])
+    count = torch.tensor(5.0)
+    first.backward(_loss(split, x, y), weight=count)
+    count.fill_(7.0)
+    first.backward(0.1 * split(x).abs().mean())
+    first.step()
+    with pytest.raises(ValueError, match=r"backward\(loss, weight=5\.0\).*\(got 7;"):
+        second.step(weight=7)
+    second.step(weight=5)
     assert second.micro_step == 1
 
 

@@ -368,6 +368,11 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["fsdp fractional split backward equals one"] == "True"
         # Each accumulator's own loss and weight under FSDP2 with its sync off: neither takes the other's for its own.
         assert said["fsdp sync off split own losses"] == "True", said["fsdp sync off split own losses"]
+        for kind in ("ddp", "fsdp"):  # two micro-batches in the second's gradients: no weight counts them as one
+            refusals = [message for case, message in said.items() if case.startswith(f"{kind} left-out micro-batch s")]
+            assert len(refusals) == (2 if rank == 0 else 3), refusals
+            assert all("more than one micro-batch" in message for message in refusals), refusals
+            assert said[f"{kind} left-out micro-batch micro_step"] == "0"
         for case in ("ddp", "fsdp", "fsdp sync off"):
             assert said[f"{case} split backward equals one"] == "True"
             refused = said[f"{case} split step without the weight"]
