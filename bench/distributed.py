@@ -2,7 +2,7 @@
 
     python bench/distributed.py                 # GPT-2 small's 124M fp32 parameters, N = 4: ~3 min on 2 cores
     python bench/distributed.py --plain-fsdp2   # plus plain FSDP2 for reference (~2 min more): the committed file
-    python bench/distributed.py --quick         # the same layout at hidden 64 (smoke test, seconds)
+    python bench/distributed.py --quick         # a 2-layer GPT at hidden 64 (smoke test, seconds)
     python bench/distributed.py --recipes gafused-ddp,gafused-ddp-bf16 --no-memory --out /tmp/distributed.json
 
 Two processes (gloo, one torch thread each) train the same model from the same seed, one recipe after the
@@ -133,7 +133,8 @@ class Config:
 
 
 def config_for(quick: bool) -> Config:
-    """GPT-2 small's sizes; ``quick``: the same layout at hidden 64, with buckets small enough to be several."""
+    """GPT-2 small's sizes; ``quick``: a 2-layer GPT at hidden 64 (vocab 512), with buckets small enough to be
+    several."""
     if quick:
         model = TinyGPTConfig(vocab=512, hidden=64, layers=2, heads=2, seq_len=64, batch=4, accumulation_steps=4)
         return Config(model, timed_windows=2, ddp_bucket_cap_mb=0.1, gafused_bucket_bytes=128 * 2**10)
@@ -685,7 +686,7 @@ def default_out(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="GPT-2's layout at hidden 64 (a few seconds)")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer GPT at hidden 64 (a few seconds)")
     parser.add_argument(
         "--out",
         type=Path,
@@ -696,7 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-fsdp2", action="store_true", help="add plain FSDP2 (fsdp2, fsdp2-no_sync) rows")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory window (torch.profiler)")
     args = parser.parse_args(argv)
-    names = args.recipes.split(",") if args.recipes else None
+    names = None if args.recipes is None else args.recipes.split(",")
+    if names is not None and not all(names):
+        parser.error(f"--recipes: a comma-separated list of recipe names, got {args.recipes!r}")
     if args.plain_fsdp2:
         names = [*(names or [recipe.name for recipe in RECIPES if recipe.default]), "fsdp2", "fsdp2-no_sync"]
     unknown = set(names or ()) - {recipe.name for recipe in RECIPES}

@@ -181,14 +181,14 @@ plots_flag() { have_matplotlib || echo "--no-plots"; }
 
 phase_kernels() {
   # shellcheck disable=SC2046 # an empty flag must vanish
-  "$python" bench/run.py --kernels-only --out "$out" $(plots_flag) 2>&1 | log_tail "$(log kernels)" 45
+  "$python" bench/run.py --device cuda --kernels-only --out "$out" $(plots_flag) 2>&1 | log_tail "$(log kernels)" 45
   return "${PIPESTATUS[0]}"
 }
 
 phase_windows() {
   # The whole-window comparison: bf16 gradients into fp32 buffers, N = 8, the five ways it is done.
   # shellcheck disable=SC2046
-  "$python" bench/run.py --full --sets gpt2-124m,llama-7b --dtypes bf16 --accumulation-steps 8 --no-kernels \
+  "$python" bench/run.py --device cuda --full --sets gpt2-124m,llama-7b --dtypes bf16 --accumulation-steps 8 --no-kernels \
     --providers naive,foreach,compiled,gafused-triton,gafused-cuda --out "$out" $(plots_flag) 2>&1 |
     log_tail "$(log windows)" 60
   return "${PIPESTATUS[0]}"
@@ -200,7 +200,7 @@ phase_configs() {
 }
 
 phase_profile() {
-  "$python" bench/e2e_profile.py --out "$out" 2>&1 | log_tail "$(log profile)" 60
+  "$python" bench/e2e_profile.py --device cuda --out "$out" 2>&1 | log_tail "$(log profile)" 60
   return "${PIPESTATUS[0]}"
 }
 
@@ -216,14 +216,14 @@ phase_host() {
 phase_bench() {
   # python bench/run.py --full with bf16 gradients: memory, correctness, every set, end to end, the kernel sweep.
   # shellcheck disable=SC2046
-  "$python" bench/run.py --full --dtypes bf16 --out "$out" $(plots_flag) 2>&1 | log_tail "$(log bench)" 80
+  "$python" bench/run.py --device cuda --full --dtypes bf16 --out "$out" $(plots_flag) 2>&1 | log_tail "$(log bench)" 80
   return "${PIPESTATUS[0]}"
 }
 
 phase_bench_fp32() {
   # The rest of python bench/run.py --full: every set with fp32 gradients (memory and correctness run again).
   # shellcheck disable=SC2046
-  "$python" bench/run.py --full --dtypes fp32 --no-e2e --no-kernels --out "$out" $(plots_flag) 2>&1 |
+  "$python" bench/run.py --device cuda --full --dtypes fp32 --no-e2e --no-kernels --out "$out" $(plots_flag) 2>&1 |
     log_tail "$(log bench_fp32)" 60
   return "${PIPESTATUS[0]}"
 }

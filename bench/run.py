@@ -594,16 +594,35 @@ def _results_file(option: str, path: Path) -> dict:
     return results
 
 
+def _refuse_run_options(args: argparse.Namespace) -> None:
+    """``--table`` and ``--plot-only`` read a results file: a run's options (``--out``, ``--no-plots``, ``--sets``, the
+    other of the two) would be ignored silently, so any given with them is refused."""
+    defaults = vars(_parse_args([]))
+    others = [
+        "--" + name.replace("_", "-")
+        for name, value in vars(args).items()
+        if name not in ("table", "plot_only") and value != defaults[name]
+    ]
+    if args.table is not None and args.plot_only is not None:
+        others.insert(0, "--plot-only")
+    if others:
+        option = "--table" if args.table is not None else "--plot-only"
+        _refuse(f"{option} reads a results file and takes no other option, got {', '.join(others)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     for option, path in (("--table", args.table), ("--plot-only", args.plot_only)):
         if path is not None and not path.is_file():
             _refuse(f"{option}: {path} is not a file (a results JSON written by bench/run.py)")
     if args.table:
-        print(summary.readme_tables(_results_file("--table", args.table)))
+        results = _results_file("--table", args.table)
+        _refuse_run_options(args)
+        print(summary.readme_tables(results))
         return 0
     if args.plot_only:
         saved = _results_file("--plot-only", args.plot_only)
+        _refuse_run_options(args)
         stem = args.plot_only.with_suffix("")
         print("wrote " + ", ".join(map(str, plots.write_all(saved, stem, list(providers.PROVIDERS)))))
         return 0

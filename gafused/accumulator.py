@@ -961,8 +961,11 @@ class GradAccumulator(torch.optim.Optimizer):
             grad = ref()
             if grad is not None and id(grad) in held:
                 return record
-        if record.unreduced is not None and record.unreduced == _held_ids(self._sync.unreduced_fingerprint()):
-            if self._unreduced_since_step():  # what FSDP holds is that backward's, not folded here since
+        # What FSDP held of these parameters after that backward, some still held (a plain backward of an auxiliary
+        # loss may add more): that micro-batch's, unless this accumulator's step() counted it since.
+        held_now = _held_ids(self._sync.unreduced_fingerprint())
+        if record.unreduced is not None and held_now is not None and not set(record.unreduced).isdisjoint(held_now):
+            if self._unreduced_since_step():
                 return record
         self._weighted_elsewhere = None  # its gradients were folded, released or replaced since
         return None

@@ -734,6 +734,7 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_split_backward_cases(rank))
     said.update(_fsdp_split_own_losses(rank))
     said.update(_split_left_out_micro_batch(rank))
+    said.update(_fsdp_sync_off_auxiliary_loss(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
     return said
 
@@ -788,11 +789,6 @@ def _fsdp_split_own_losses(rank: int) -> dict[str, str]:
     had given it gradients. Each equals an accumulator run alone over its parameters, bitwise."""
     import gafused
 
-    def own_losses(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            hidden = torch.tanh(model[0](x))
-        return model[0](x).square().mean(), model[4](torch.tanh(model[2](hidden))).square().mean()
-
     finished = []
     for which in ("both", "first", "second"):
         model = _wrap("fsdp", rank)
@@ -806,7 +802,7 @@ def _fsdp_split_own_losses(rank: int) -> dict[str, str]:
         }
         for micro in range(N):  # one window: the first layer's step comes after every micro-batch's losses
             x, _ = micro_batch(rank, 0, micro)
-            losses = dict(zip(("first", "second"), own_losses(model, x), strict=True))
+            losses = dict(zip(("first", "second"), _own_losses(model, x), strict=True))
             weights = {"first": x.shape[0], "second": x.shape[0] + 1 + micro}  # never equal: every rank alike
             for name, opt in opts.items():
                 opt.backward(losses[name], weight=weights[name])
@@ -847,6 +843,135 @@ def _split_left_out_micro_batch(rank: int) -> dict[str, str]:
         del first, second
         gc.collect()
     return said
+
+
+def _fsdp_sync_off_auxiliary_loss(rank: int) -> dict[str, str]:
+    """FSDP2, its sync off: the first accumulator's backward(loss, weight=w) reaches the second's middle layer, then a
+    plain backward of an auxiliary loss adds gradients of its last layer too. FSDP now held more than that backward
+    left, so the record was taken for gone: step() counted the micro-batch 1 and step(weight=w) was refused."""
+    import gafused
+
+    model = _wrap("fsdp", rank)
+    model.set_requires_gradient_sync(False)
+    params = list(model.parameters())
+    first = gafused.GradAccumulator(torch.optim.SGD(params[:2], lr=LR), N, model=model)
+    second = gafused.GradAccumulator(torch.optim.SGD(params[2:], lr=LR), N, model=model)
+    x, _ = micro_batch(rank, 0, 0)
+    first.backward(model[2](torch.tanh(model[0](x))).square().mean(), weight=x.shape[0])
+    first.step()
+    with torch.no_grad():
+        hidden = torch.tanh(model[0](x))
+    (0.1 * model[4](torch.tanh(model[2](hidden))).abs().mean()).backward()
+    said = {"fsdp sync off auxiliary loss step()": _said(ValueError, second.step)}
+    said["fsdp sync off auxiliary loss step(weight)"] = _said(ValueError, second.step, weight=x.shape[0])
+    said["fsdp sync off auxiliary loss micro_step"] = str(second.micro_step)
+    return said
+
+
+def _own_losses(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two losses over one model: the first reaches the first layer alone, the second the two later layers alone."""
+    with torch.no_grad():
+        hidden = torch.tanh(model[0](x))
+    return model[0](x).square().mean(), model[4](torch.tanh(model[2](hidden))).square().mean()
+
+
+SYNC_OFF_RECORDS = {
+    # Two accumulators over one loss (the first layer, the rest): the first's backward(loss, weight=w) of a window's
+    # first micro-batch is dropped by zero_grad(), and that micro-batch is run again by loss.backward() (counted 1).
+    "split, a dropped micro-batch run again unweighted": "split",
+    # Each accumulator its own loss and weights: the first drops its first micro-batch (zero_grad() after its
+    # backward) and runs it again, while the second keeps its own, which FSDP holds unreduced meanwhile.
+    "own losses, the first drops its first micro-batch": "own",
+    # One accumulator whose weight is a CPU tensor the loop refills with the next count before step().
+    "one accumulator, a CPU weight tensor refilled before step()": "one",
+}
+
+
+def sync_off_records_weights(case: str, rank: int, micro: int) -> tuple[float, float]:
+    """The weights a SYNC_OFF_RECORDS case counts for a rank's micro-batch: the first accumulator's, the second's."""
+    count = float(tokens(rank, 0, micro))
+    kind = SYNC_OFF_RECORDS[case]
+    if kind == "split":
+        return (1.0, 1.0) if micro == 0 else (count, count)
+    if kind == "own":
+        return count, count + 1 + micro
+    return count, count
+
+
+def sync_off_records_truth(case: str) -> list[torch.Tensor]:
+    """Float64, one process: the one window of a SYNC_OFF_RECORDS case over every rank's micro-batches (weighted
+    means; with own losses, each layer's own loss alone)."""
+    model = make_model(torch.float64)
+    own = SYNC_OFF_RECORDS[case] == "own"
+    totals = [torch.zeros((), dtype=torch.float64) for _ in range(2)]
+    sums = [0.0, 0.0]
+    for rank in range(WORLD):
+        for micro in range(N):
+            x, y = micro_batch(rank, 0, micro, dtype=torch.float64)
+            losses = _own_losses(model, x) if own else (token_losses(model, x, y).mean(),) * 2
+            for index, weight in enumerate(sync_off_records_weights(case, rank, micro)):
+                totals[index] = totals[index] + weight * losses[index]
+                sums[index] += weight
+    (totals[0] / sums[0] + totals[1] / sums[1] if own else totals[0] / sums[0]).backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param -= LR * param.grad
+    return [param.detach().clone() for param in model.parameters()]
+
+
+def run_sync_off_records(rank: int, case: str) -> dict[str, Any]:
+    """One window of N micro-batches under FSDP2 with its gradient sync off but for the last (opt.backward() turns it
+    on there; the unweighted loss.backward() of the split case comes first): what each step() and zero_grad() said,
+    and the final (full) parameters."""
+    import gafused
+
+    kind = SYNC_OFF_RECORDS[case]
+    model = _wrap("fsdp", rank)
+    model.set_requires_gradient_sync(False)
+    params = list(model.parameters())
+    parts = [params] if kind == "one" else [params[:2], params[2:]]
+    opts = [gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model) for part in parts]
+    said: dict[str, str] = {}
+
+    def said_by(name: str, call: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        said[name] = _said((ValueError, RuntimeError), call, *args, **kwargs)
+
+    if kind == "split":
+        x, y = micro_batch(rank, 1, 0)
+        opts[0].backward(token_losses(model, x, y).mean(), weight=x.shape[0] + 100)
+        for index, opt in enumerate(opts):
+            said_by(f"zero_grad {index} of the dropped micro-batch", opt.zero_grad)
+    count = torch.tensor(0.0)
+    for micro in range(N):
+        x, y = micro_batch(rank, 0, micro)
+        first, second = sync_off_records_weights(case, rank, micro)
+        if kind == "split":
+            loss = token_losses(model, x, y).mean()
+            if micro == 0:
+                loss.backward()
+            else:
+                opts[0].backward(loss, weight=first)
+            said_by(f"step 0 of {micro}", opts[0].step)
+            said_by(f"step 1 of {micro}", opts[1].step, **({} if micro == 0 else {"weight": second}))
+        elif kind == "own":
+            losses = _own_losses(model, x)
+            opts[1].backward(losses[1], weight=second)
+            if micro == 0:
+                opts[0].backward(losses[0], weight=first + 100)
+                said_by("zero_grad 0 of the dropped micro-batch", opts[0].zero_grad)
+                losses = _own_losses(model, x)
+            opts[0].backward(losses[0], weight=first)
+            for index, opt in enumerate(opts):
+                said_by(f"step {index} of {micro}", opt.step)
+        else:
+            count.fill_(first)
+            opts[0].backward(token_losses(model, x, y).mean(), weight=count)
+            if micro + 1 < N:
+                count.fill_(sync_off_records_weights(case, rank, micro + 1)[0])  # the next micro-batch's count
+            said_by(f"step 0 of {micro}", opts[0].step)
+        for opt in opts:
+            opt.zero_grad()
+    return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
 
 
 def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:
@@ -1355,6 +1480,11 @@ def _rank(rank: int, port: int, out: str) -> None:
         trace: list[torch.Tensor] = []
         results["batchnorm"][accumulate] = run_batchnorm(rank, accumulate, trace)
         results["batchnorm trace"][accumulate] = trace
+    for case in SYNC_OFF_RECORDS:
+        try:
+            results[f"sync off records: {case}"] = run_sync_off_records(rank, case)
+        except Exception as error:  # reported by the test, named
+            results[f"sync off records: {case}"] = {"error": f"{type(error).__name__}: {error}"}
     try:
         results["fsdp fp16 overflow"] = run_fp16_overflow(rank)
     except Exception as error:  # reported by the test, named

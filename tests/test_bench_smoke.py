@@ -680,10 +680,13 @@ _UNTIMED_ON_CPU = [name for name in providers.PROVIDERS if name not in providers
         (["--table", "NODEVICE"], "is JSON, but not results written by bench/run.py (no meta.device)"),
         (["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
         (["--kernels-only", "--no-kernels"], "--kernels-only with --no-kernels leaves nothing to run"),
+        (["--plot-only", "RESULTS"], "--plot-only reads a results file and takes no other option, got --quick,"),
+        (["--table", "RESULTS", "--plot-only", "RESULTS"], "takes no other option, got --plot-only, --quick,"),
     ],
     ids=["dtype", "empty-dtype", "unknown-set", "set-of-another-mode", "no-provider-runs", "empty-provider",
          "device", "threads", "compile-max-tensors", "missing-table", "table-not-json", "table-other-json",
-         "plot-not-json", "plot-no-device", "table-no-device", "out-below-a-file", "nothing-to-run"],
+         "plot-not-json", "plot-no-device", "table-no-device", "out-below-a-file", "nothing-to-run",
+         "plot-with-run-options", "table-with-plot-only"],
 )  # fmt: skip
 def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     monkeypatch, tmp_path, capsys, argv, message
@@ -701,7 +704,9 @@ def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
     (tmp_path / "file").write_text("")
     (tmp_path / "other.json").write_text('{"meta": {"device": "cpu"}, "rows": []}')  # another script's results
     (tmp_path / "nodevice.json").write_text('{"meta": {"device_type": "cpu"}}')  # the plots name the device
+    (tmp_path / "results.json").write_text('{"meta": {"device_type": "cpu", "device": "cpu"}, "rows": []}')
     names = {
+        "RESULTS": "results.json",
         "MISSING": "missing.json",
         "NOTJSON": "not.json",
         "OTHERJSON": "other.json",

@@ -301,12 +301,35 @@ def test_fsdp_cast_overflow_in_one_shard_skips_the_window_on_every_rank(ranks: l
         assert torch.equal(stepped, torch.full_like(stepped, -row)), rank
 
 
+@pytest.mark.parametrize("case", list(cases.SYNC_OFF_RECORDS))
+def test_fsdp_sync_off_records_count_each_micro_batch_as_its_backward_did(ranks: list[dict], case: str) -> None:
+    """FSDP2 with its sync off holds the early micro-batches' gradients itself (no p.grad shows them); what an
+    accumulator learns of another's backward must follow what FSDP holds of its own parameters. A micro-batch the
+    first accumulator dropped after its weighted backward and ran again unweighted counts 1 for both, not the dropped
+    weight; the first dropping its own micro-batch leaves what FSDP holds of the second's; a CPU weight tensor the
+    loop refills before step() is the count its backward took. Every call goes through and the window lands on the
+    float64 truth of those weights."""
+    truth = cases.sync_off_records_truth(case)
+    initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
+    for rank in range(cases.WORLD):
+        result = _result(ranks, f"sync off records: {case}", rank)
+        assert set(result["said"].values()) == {"no error"}, result["said"]
+        assert all(result["stepped"])
+        assert _error(result["params"], truth, initial) < FP32_ERROR
+    first, second = (_result(ranks, f"sync off records: {case}", rank)["params"] for rank in range(cases.WORLD))
+    assert all(map(torch.equal, first, second))
+
+
 def test_fsdp_sync_switched_off_once_stays_off_after_each_window(ranks: list[dict]) -> None:
     """opt.backward() turns FSDP's gradient sync on for a window's last micro-batch only: the user's
     set_requires_gradient_sync(False) holds again for the next window's micro-batches (the case itself is exact,
     checked with the others)."""
     assert _result(ranks, "fsdp-backward-driven-sync_off_once")["reduce_grads"] == [[False]] * len(cases.WINDOWS)
     assert _result(ranks, "fsdp-backward")["reduce_grads"] == [[True]] * len(cases.WINDOWS)
+
+
+def micro_batch_size(rank: int) -> int:
+    return cases.micro_batch(rank, 0, 0)[0].shape[0]
 
 
 def test_misuse_is_never_silent(ranks: list[dict]) -> None:
@@ -368,6 +391,10 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert said["fsdp fractional split backward equals one"] == "True"
         # Each accumulator's own loss and weight under FSDP2 with its sync off: neither takes the other's for its own.
         assert said["fsdp sync off split own losses"] == "True", said["fsdp sync off split own losses"]
+        refused = said["fsdp sync off auxiliary loss step()"]  # the first's weight, though FSDP holds more since
+        assert f"backward(loss, weight={micro_batch_size(rank)})" in refused and "(got None;" in refused, refused
+        assert said["fsdp sync off auxiliary loss step(weight)"] == "no error"
+        assert said["fsdp sync off auxiliary loss micro_step"] == "1"
         for kind in ("ddp", "fsdp"):  # two micro-batches in the second's gradients: no weight counts them as one
             refusals = [message for case, message in said.items() if case.startswith(f"{kind} left-out micro-batch s")]
             assert len(refusals) == (2 if rank == 0 else 3), refusals
