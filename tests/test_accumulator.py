@@ -2294,6 +2294,13 @@ def _split_accumulators(backend, steps=2):
     return split, first, second
 
 
+def _assert_split_equals_one(whole, split, one, first, second):
+    """Both accumulators over ``split`` stepped as ``one`` over ``whole`` did, to float64 rounding."""
+    assert one.stepped and first.stepped and second.stepped
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
 @pytest.mark.parametrize("aux", ["after", "before"])
 def test_an_auxiliary_loss_added_by_plain_backward_keeps_the_second_accumulators_weight(backend, aux):
     """After first.backward(loss, weight=w), a plain backward of an auxiliary loss adds into the second's gradients
@@ -2327,10 +2334,8 @@ def test_an_auxiliary_loss_added_by_plain_backward_keeps_the_second_accumulators
         second.step(weight=len(x))
         first.zero_grad()
         second.zero_grad()
-    assert one.stepped and first.stepped and second.stepped
     # w * (g + aux) folded at once here, w * g then w * aux there: a few float64 roundings apart.
-    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+    _assert_split_equals_one(whole, split, one, first, second)
 
 
 def test_a_model_that_is_neither_ddp_nor_fsdp2_is_refused_and_a_compiled_one_is_told_what_to_pass():
@@ -2663,9 +2668,7 @@ def test_an_unweighted_backward_of_the_first_accumulator_asks_no_weight_of_the_s
         second.step()
         first.zero_grad()
         second.zero_grad()
-    assert one.stepped and first.stepped and second.stepped
-    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+    _assert_split_equals_one(whole, split, one, first, second)
 
 
 def test_gradients_a_weighted_backward_of_the_first_accumulator_did_not_touch_take_any_weight(backend):
@@ -2789,9 +2792,7 @@ def test_the_second_accumulators_own_backward_refuses_what_the_first_gave_at_ano
         second.step()
         first.zero_grad()
         second.zero_grad()
-    assert one.stepped and first.stepped and second.stepped
-    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+    _assert_split_equals_one(whole, split, one, first, second)
 
 
 @pytest.mark.parametrize("later", [7, 5])
