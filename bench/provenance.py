@@ -256,7 +256,7 @@ def out_problem(out: Path) -> str | None:
 
 def out_file_problem(path: Path) -> str | None:
     """As ``out_problem``, for a script that writes the results file ``path`` itself (and a .csv beside it)."""
-    if path.suffix == ".csv":
+    if path.suffix.lower() == ".csv":
         return f"{path} ends in .csv, the name of the CSV written beside the results; name the JSON file (.json)"
     for written in (path, path.with_suffix(".csv")):
         if written.is_dir():

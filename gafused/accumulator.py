@@ -1090,7 +1090,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 "scaler would skip the step() of a micro-batch whose gradients overflowed (dropping it from the "
                 "window, and shifting every later window by one) and change its scale per micro-batch. Build the "
                 "GradAccumulator with grad_scaler=scaler and call opt.step(), not scaler.step(opt) or "
-                "scaler.update(); nothing was folded"
+                "scaler.update(). Nothing was folded; the scaler unscaled this micro-batch's gradients in p.grad "
+                "already: drop them (zero_grad()) and run it again"
             )
         if closure is not None and not callable(closure):
             raise TypeError(
@@ -2656,9 +2657,15 @@ def _refuse_direct_inner_step(accumulator: weakref.ref) -> Callable[..., None]:
             return
         if _called_from(_DCP_MODULE, "_init_optim_state"):
             return
+        changed = (
+            "the scaler unscaled the gradients in p.grad already: drop them (zero_grad()) and run this micro-batch "
+            "again"
+            if _called_from(_GRAD_SCALER_MODULE, "_maybe_opt_step")
+            else "nothing changed"
+        )
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() was called on the optimizer a GradAccumulator wraps: it would step "
-            "on one micro-batch's gradient, outside the accumulation window; nothing changed. Call step() of the "
+            f"on one micro-batch's gradient, outside the accumulation window ({changed}). Call step() of the "
             "GradAccumulator, which steps this optimizer once per window (with a GradScaler: give it as "
             "grad_scaler= and call no scaler.step)"
         )

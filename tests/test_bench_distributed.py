@@ -249,10 +249,11 @@ def test_main_refuses_unknown_recipes_and_fails_on_an_inexact_or_uneven_row(monk
         distributed.main(["--recipes", "gafused-ddp,gafused-dpp", "--out", str(tmp_path / "x.json")])
     assert refused.value.code == 2 and asked == []
     # An empty list ran the default recipes; a .csv --out was overwritten by the CSV written beside it.
-    for argv in (["--recipes", ""], ["--recipes", "gafused-ddp,"], ["--out", str(tmp_path / "x.csv")]):
+    bad = [["--recipes", ""], ["--recipes", "gafused-ddp,"], ["--out", str(tmp_path / "x.csv")]]
+    for argv in [*bad, ["--out", str(tmp_path / "x.CSV")]]:
         with pytest.raises(SystemExit) as refused:
             distributed.main(argv)
-        assert refused.value.code == 2 and asked == [] and not (tmp_path / "x.csv").exists()
+        assert refused.value.code == 2 and asked == [] and not list(tmp_path.glob("x.*"))
     out = tmp_path / "d.json"
     assert distributed.main(["--recipes", "gafused-ddp", "--out", str(out)]) == 0 and asked[-1] == ["gafused-ddp"]
     # The CSV holds the JSON's rows, one column per kind of collective.
