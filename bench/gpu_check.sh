@@ -181,15 +181,16 @@ plots_flag() { have_matplotlib || echo "--no-plots"; }
 
 phase_kernels() {
   # shellcheck disable=SC2046 # an empty flag must vanish
-  "$python" bench/run.py --device cuda --kernels-only --out "$out" $(plots_flag) 2>&1 | log_tail "$(log kernels)" 45
+  "$python" bench/run.py --device cuda --kernels-only --out "$out" $(plots_flag) 2>&1 |
+    log_tail "$(log kernels)" 45
   return "${PIPESTATUS[0]}"
 }
 
 phase_windows() {
   # The whole-window comparison: bf16 gradients into fp32 buffers, N = 8, the five ways it is done.
   # shellcheck disable=SC2046
-  "$python" bench/run.py --device cuda --full --sets gpt2-124m,llama-7b --dtypes bf16 --accumulation-steps 8 --no-kernels \
-    --providers naive,foreach,compiled,gafused-triton,gafused-cuda --out "$out" $(plots_flag) 2>&1 |
+  "$python" bench/run.py --device cuda --full --sets gpt2-124m,llama-7b --dtypes bf16 --accumulation-steps 8 \
+    --no-kernels --providers naive,foreach,compiled,gafused-triton,gafused-cuda --out "$out" $(plots_flag) 2>&1 |
     log_tail "$(log windows)" 60
   return "${PIPESTATUS[0]}"
 }
@@ -216,7 +217,8 @@ phase_host() {
 phase_bench() {
   # python bench/run.py --full with bf16 gradients: memory, correctness, every set, end to end, the kernel sweep.
   # shellcheck disable=SC2046
-  "$python" bench/run.py --device cuda --full --dtypes bf16 --out "$out" $(plots_flag) 2>&1 | log_tail "$(log bench)" 80
+  "$python" bench/run.py --device cuda --full --dtypes bf16 --out "$out" $(plots_flag) 2>&1 |
+    log_tail "$(log bench)" 80
   return "${PIPESTATUS[0]}"
 }
 

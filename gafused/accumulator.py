@@ -950,7 +950,8 @@ class GradAccumulator(torch.optim.Optimizer):
             other._weighted_elsewhere = record
 
     def _weight_from_elsewhere(self) -> _WeightedElsewhere | None:
-        """The backward() of another accumulator that gave some ``p.grad`` this step() would fold, if any."""
+        """The backward() of another accumulator that gave some ``p.grad`` this step() or backward() would fold, if
+        any."""
         record = self._weighted_elsewhere
         if record is None:
             return None
@@ -1090,8 +1091,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "scaler would skip the step() of a micro-batch whose gradients overflowed (dropping it from the "
                 "window, and shifting every later window by one) and change its scale per micro-batch. Build the "
                 "GradAccumulator with grad_scaler=scaler and call opt.step(), not scaler.step(opt) or "
-                "scaler.update(). Nothing was folded; the scaler unscaled this micro-batch's gradients in p.grad "
-                "already: drop them (zero_grad()) and run it again"
+                f"scaler.update(). Nothing was folded; {_SCALER_UNSCALED}"
             )
         if closure is not None and not callable(closure):
             raise TypeError(
@@ -2631,6 +2631,10 @@ def _called_from(module: str, function: str) -> bool:
 
 _DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 _GRAD_SCALER_MODULE = "torch.amp.grad_scaler"
+# What a refusal of a step GradScaler.step() made leaves: the scaler's unscale_ ran before.
+_SCALER_UNSCALED = (
+    "the scaler unscaled the gradients in p.grad already: drop them (zero_grad()) and run this micro-batch again"
+)
 
 # The inner optimizers (by id) an accumulator is stepping now: any other step of one of them is refused
 # (_refuse_direct_inner_step).
@@ -2657,12 +2661,7 @@ def _refuse_direct_inner_step(accumulator: weakref.ref) -> Callable[..., None]:
             return
         if _called_from(_DCP_MODULE, "_init_optim_state"):
             return
-        changed = (
-            "the scaler unscaled the gradients in p.grad already: drop them (zero_grad()) and run this micro-batch "
-            "again"
-            if _called_from(_GRAD_SCALER_MODULE, "_maybe_opt_step")
-            else "nothing changed"
-        )
+        changed = _SCALER_UNSCALED if _called_from(_GRAD_SCALER_MODULE, "_maybe_opt_step") else "nothing changed"
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() was called on the optimizer a GradAccumulator wraps: it would step "
             f"on one micro-batch's gradient, outside the accumulation window ({changed}). Call step() of the "

@@ -550,7 +550,9 @@ def run_fp16_overflow(rank: int) -> dict[str, Any]:
     return {"shards": shards, "skipped": opt.skipped_steps, "stepped": opt.stepped}
 
 
-def _said(refused: type[Exception], call: Callable[..., object], *args: Any, **kwargs: Any) -> str:
+def _said(
+    refused: type[Exception] | tuple[type[Exception], ...], call: Callable[..., object], *args: Any, **kwargs: Any
+) -> str:
     """What ``call(*args, **kwargs)`` says: the message of the ``refused`` error it raises, or 'no error'."""
     try:
         call(*args, **kwargs)
