@@ -1037,7 +1037,7 @@ class GradAccumulator(torch.optim.Optimizer):
             for index, (param, grad) in enumerate(zip(group.params, grads, strict=True)):
                 if param.grad is not grad:
                     param.grad = grad
-                elif grad is not None and grad._version != versions[index]:
+                elif grad is not None and _grad_version(grad) != versions[index]:
                     param.grad = None
                     changed += 1
         return changed
@@ -2769,12 +2769,12 @@ def _any_given(grads: list[torch.Tensor | None]) -> bool:
 
 
 def _grads_and_versions(params: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], list[int] | None]:
-    """Each parameter's ``p.grad`` and its version counter (0 for None); versions None when every one is None (the
-    usual case: nothing to read)."""
+    """Each parameter's ``p.grad`` and its version counter (``_grad_version``; 0 for None); versions None when every
+    one is None (the usual case: nothing to read)."""
     grads = [param.grad for param in params]
     if not _any_given(grads):
         return grads, None
-    return grads, [0 if grad is None else grad._version for grad in grads]
+    return grads, [0 if grad is None else _grad_version(grad) for grad in grads]
 
 
 def _published_source(group: _Group) -> torch.Tensor:

@@ -738,6 +738,41 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_split_left_out_micro_batch(rank))
     said.update(_fsdp_sync_off_auxiliary_loss(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
+    said.update(_fsdp_failed_backward_over_held_gradients(rank))
+    return said
+
+
+def _fsdp_failed_backward_over_held_gradients(rank: int) -> dict[str, str]:
+    """FSDP2 adds a later backward's reduced gradient into the ``_local_tensor`` of the one a plain loss.backward()
+    left, which leaves the DTensor's own version counter as it was. A backward(loss) failing after the last two
+    layers were reduced must drop those four (half-updated) gradients and keep the first layer's as they were."""
+    import gafused
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("hook failed")
+
+    model = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=LR), N, model=model)
+    x, y = micro_batch(rank, 0, 0)
+    token_losses(model, x, y).mean().backward()
+    held = [param.grad.to_local().clone() for param in model.parameters()]
+    # The first layer's output gradient arrives after FSDP reduced the two later layers' gradients.
+    handle = model[1].register_forward_hook(lambda module, args, out: [out.register_hook(explode)] and None)
+    try:
+        loss = token_losses(model, x, y).mean()
+    finally:
+        handle.remove()
+    said = {"fsdp failed backward over held gradients": "no error"}
+    try:
+        opt.backward(loss, weight=1)
+    except RuntimeError as error:
+        said["fsdp failed backward over held gradients"] = " ".join([str(error), *getattr(error, "__notes__", [])])
+    kept = [
+        "dropped" if param.grad is None else str(torch.equal(param.grad.to_local(), grad))
+        for param, grad in zip(model.parameters(), held, strict=True)
+    ]
+    said["fsdp failed backward over held gradients kept"] = " ".join(kept)
+    said["fsdp failed backward over held gradients micro_step"] = str(opt.micro_step)
     return said
 
 

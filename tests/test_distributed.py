@@ -395,6 +395,11 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert f"backward(loss, weight={micro_batch_size(rank)})" in refused and "(got None;" in refused, refused
         assert said["fsdp sync off auxiliary loss step(weight)"] == "no error"
         assert said["fsdp sync off auxiliary loss micro_step"] == "1"
+        # A failed backward() under FSDP2 drops the held gradients FSDP added into in place, and says how many.
+        failed = said["fsdp failed backward over held gradients"]
+        assert "hook failed" in failed and "4 gradient(s) held from an earlier loss.backward()" in failed, failed
+        assert said["fsdp failed backward over held gradients kept"] == "True True dropped dropped dropped dropped"
+        assert said["fsdp failed backward over held gradients micro_step"] == "0"
         for kind in ("ddp", "fsdp"):  # two micro-batches in the second's gradients: no weight counts them as one
             refusals = [message for case, message in said.items() if case.startswith(f"{kind} left-out micro-batch s")]
             assert len(refusals) == (2 if rank == 0 else 3), refusals
