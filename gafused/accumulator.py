@@ -900,10 +900,12 @@ class GradAccumulator(torch.optim.Optimizer):
         if others_before:
             self._tell_others(others_before, micro)
 
-    def _others_grads(self) -> dict[GradAccumulator, tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], Any]]:
-        """Every other live accumulator's parameters with their ``p.grad`` and its version, and what FSDP (its sync
-        off) holds unreduced of them (none when this is the only accumulator, the usual case): what a backward()
-        over a loss they share changes."""
+    def _others_grads(self) -> dict[GradAccumulator, _OthersBefore]:
+        """Every other live accumulator's parameters with their ``p.grad`` and its version, what FSDP (its sync
+        off) holds unreduced of them, and its record of another backward() that gave them (none when this is the
+        only accumulator, the usual case): what a backward() over a loss they share changes. The record is read
+        before: a backward that turns FSDP's sync on reduces what FSDP held into ``p.grad``, where the record no
+        longer finds it."""
         return {
             other: (
                 [
@@ -912,33 +914,29 @@ class GradAccumulator(torch.optim.Optimizer):
                     for param in group.params
                 ],
                 other._sync.unreduced_fingerprint(),
+                other._weight_from_elsewhere(),
             )
             for other in list(_LIVE_ACCUMULATORS or ())
             if other is not self
         }
 
-    def _tell_others(
-        self,
-        before: dict[GradAccumulator, tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], Any]],
-        micro: _MicroBatch,
-    ) -> None:
+    def _tell_others(self, before: dict[GradAccumulator, _OthersBefore], micro: _MicroBatch) -> None:
         """After a backward(): the other accumulators whose parameters it gave gradients learn its weight (given or
         not), and so do those over the same FSDP2 model while FSDP holds the gradients unreduced (its sync off),
         which no ``p.grad`` shows yet. Where an earlier backward at another weight, or of another micro-batch of
         this accumulator, gave some of the gradients still held, the record says they conflict: no weight counts
         them as one micro-batch."""
         given = micro.counted  # a GPU tensor by identity
-        for other, (params, unreduced_before) in before.items():
+        for other, (params, unreduced_before, earlier) in before.items():
             produced = [
                 weakref.ref(param.grad)
                 for param, grad, version in params
                 if param.grad is not None and (param.grad is not grad or _grad_version(param.grad) != version)
             ]
             unreduced = other._sync.unreduced_fingerprint()  # of its parameters: moved if this backward reached them
-            held = _held_ids(unreduced) if unreduced is not None and unreduced != unreduced_before else None
+            held = _held_tags(unreduced) if unreduced is not None and unreduced != unreduced_before else None
             if not produced and held is None:
                 continue
-            earlier = other._weight_from_elsewhere()
             record = _WeightedElsewhere(given, micro.weight, produced, held, source=(id(self), micro.serial))
             # Still held from another micro-batch of this accumulator (the other left one out without zero_grad()):
             # two micro-batches summed, which no step() counts as one, whatever the weights (every rank alike).
@@ -964,7 +962,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 return record
         # What FSDP held of these parameters after that backward, some still held (a plain backward of an auxiliary
         # loss may add more): that micro-batch's, unless this accumulator's step() counted it since.
-        held_now = _held_ids(self._sync.unreduced_fingerprint())
+        held_now = _held_tags(self._sync.unreduced_fingerprint())
         if record.unreduced is not None and held_now is not None and not set(record.unreduced).isdisjoint(held_now):
             if self._unreduced_since_step():
                 return record
@@ -985,8 +983,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 drop += " or keep that backward off them (its inputs=, or requires_grad_(False) meanwhile)"
         else:
             drop = (
-                "FSDP holds them unreduced (its gradient sync off), where they cannot be dropped alone: zero_grad() "
-                "drops them with the window's first micro-batch; later micro-batches cannot be told from them"
+                "FSDP holds or held them unreduced (its gradient sync off), summed with the window's earlier "
+                "micro-batches: zero_grad() drops them with the window's first micro-batch; past it, only the whole "
+                "window goes: load_state_dict() a state_dict() taken between windows"
             )
         if elsewhere.conflict:
             raise ValueError(
@@ -1423,16 +1422,31 @@ class GradAccumulator(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"zero_grad(): FSDP holds this micro-batch's gradients (micro-batch {self._micro_step + 1} of the "
                     "window, its sync off) summed with the window's earlier ones, where they cannot be told apart; "
-                    "nothing changed. End it with step()"
+                    "nothing changed. End it with step(), or drop the whole window: load_state_dict() a state_dict() "
+                    "taken between windows"
                 )
             self._discard_window()  # the window's first: FSDP holds it alone
             return
+        elif self._micro_step > 0 and self._reduced_with_earlier():
+            raise RuntimeError(
+                f"zero_grad(): FSDP reduced this micro-batch's gradients (micro-batch {self._micro_step + 1} of the "
+                "window) summed with the window's earlier ones, which it held unreduced (its sync off), where they "
+                "cannot be told apart; nothing changed. End it with step(), or drop the whole window: "
+                "load_state_dict() a state_dict() taken between windows"
+            )
         self._release_grads()
 
     def _drop_unreduced(self) -> None:
         """Forget what FSDP (its sync off) holds of a discarded or replaced window, and that it was seen."""
         self._sync.drop_unreduced()
         self._unreduced_seen = None
+
+    def _reduced_with_earlier(self) -> bool:
+        """Whether ``p.grad`` holds what FSDP held unreduced (its sync off) when the last ``step()`` counted a
+        micro-batch: a backward with the sync on reduced it with its own gradients."""
+        if self._unreduced_seen is None or self._sync.holds_unreduced():
+            return False
+        return any(param.grad is not None for group in self._groups for param in group.params)
 
     def _unreduced_since_step(self) -> bool:
         """Whether FSDP (its sync off) holds gradients that arrived since the last ``step()``: a micro-batch whose
@@ -2498,6 +2512,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._release_published()
         self._drop_reductions()  # an interrupted last micro-batch's reductions and late parts: not this window's
         self._drop_unreduced()  # nor what FSDP holds back of the window open before
+        self._weighted_elsewhere = None  # another accumulator's weight for gradients released here
         for group in self._groups:
             for param in group.params:
                 param.grad = None
@@ -2714,12 +2729,15 @@ class _WeightedElsewhere:
     given: float | torch.Tensor | None  # the weight as its caller gave it (a CPU tensor: its value then; None: 1)
     weight: torch.Tensor  # as that backward counted it (float64 0-d; FSDP2: rounded to the loss's dtype)
     produced: list[weakref.ref]  # the gradients it gave this accumulator's parameters
-    unreduced: tuple[int, ...] | None = None  # FSDP2, its sync off: the ids of what FSDP held unreduced after it
+    unreduced: tuple[int, ...] | None = None  # FSDP2, its sync off: the tags of what FSDP held unreduced after it
     conflict: bool = False  # added to gradients an earlier backward gave, still held (another micro-batch or weight)
     source: tuple[int, int] = (0, 0)  # (id of the accumulator whose backward gave them, its micro-batch's serial)
 
 
 _MICRO_SERIALS = itertools.count(1)
+# What another accumulator's backward() may change of one accumulator: (param, p.grad, its version) for each of its
+# parameters, what FSDP holds unreduced of them (an unreduced_fingerprint), and its _WeightedElsewhere record.
+_OthersBefore = tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], Any, "_WeightedElsewhere | None"]
 
 
 def _grad_version(grad: torch.Tensor) -> int:
@@ -2728,8 +2746,9 @@ def _grad_version(grad: torch.Tensor) -> int:
     return getattr(grad, "_local_tensor", grad)._version
 
 
-def _held_ids(fingerprint: Any) -> tuple[int, ...] | None:
-    """The tensors of an ``unreduced_fingerprint`` (pairs of id and version), by id alone."""
+def _held_tags(fingerprint: Any) -> tuple[int, ...] | None:
+    """The tensors of an ``unreduced_fingerprint`` (pairs of tag and version), by tag alone (a tag, unlike an id, is
+    never another tensor's, even after the first is freed)."""
     return None if fingerprint is None else tuple(identity for identity, _ in fingerprint)
 
 

@@ -27,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import itertools
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gafused.buffer import FlatGradBuffer
 
@@ -502,8 +504,8 @@ class FSDPSync(Sync):
         return next(self._held(), None) is not None
 
     def unreduced_fingerprint(self) -> Any:
-        # A backward adds to a held gradient in place (its version moves) or gives a new one (its identity).
-        held = tuple((id(grad), grad._version) for grad in self._held())
+        # A backward adds to a held gradient in place (its version moves) or gives a new one (its tag).
+        held = tuple((_tag(grad), grad._version) for grad in self._held())
         return held or None
 
     def drop_unreduced(self) -> None:
@@ -522,6 +524,19 @@ class FSDPSync(Sync):
                 "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does (given "
                 "end_window=True on a driven window's last micro-batch)"
             )
+
+
+_TAGS = itertools.count(1)
+_TAGGED = WeakIdKeyDictionary()
+
+
+def _tag(tensor: torch.Tensor) -> int:
+    """A number no other tensor gets, even after this one is freed: ``id`` would be reused by a tensor allocated
+    later (FSDP's next unreduced gradient often lands at the address of the one dropped before it)."""
+    tag = _TAGGED.get(tensor)
+    if tag is None:
+        tag = _TAGGED[tensor] = next(_TAGS)
+    return tag
 
 
 def for_model(model: torch.nn.Module, params: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> Sync:

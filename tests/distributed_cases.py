@@ -1011,6 +1011,58 @@ def run_sync_off_records(rank: int, case: str) -> dict[str, Any]:
     return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
 
 
+WAY_OUT_WINDOWS = 3  # the first window's conflict, then two windows run through
+
+
+def run_sync_off_way_out(rank: int) -> dict[str, Any]:
+    """FSDP2, its sync off, two accumulators over one loss (the first layer, the rest): the second steps the first
+    micro-batch, then misses the second's step(), so the third leaves two micro-batches in what FSDP holds of its
+    parameters. Nothing counts them as one; the way out is loading a state_dict() taken between windows. Then two
+    windows run through (FSDP's new unreduced gradients may land at the addresses of those dropped: a record of the
+    conflict kept by address would refuse them)."""
+    import gafused
+
+    model = _wrap("fsdp", rank)
+    model.set_requires_gradient_sync(False)
+    params = list(model.parameters())
+    first, second = (
+        gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model) for part in (params[:2], params[2:])
+    )
+    saved = second.state_dict()
+    said: dict[str, str] = {}
+    for window in range(WAY_OUT_WINDOWS):
+        for micro in range(N):
+            x, y = micro_batch(rank, window, micro)
+            first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+            first.step()
+            if window > 0 or micro == 0:
+                said[f"step {window} {micro}"] = _said((ValueError, RuntimeError), second.step, weight=x.shape[0])
+            elif micro == N - 1:
+                said["conflict step"] = _said(ValueError, second.step, weight=x.shape[0])
+                said["conflict zero_grad"] = _said(RuntimeError, second.zero_grad)
+                said["load"] = _said(ValueError, second.load_state_dict, saved)
+    return {"said": said, "stepped": second.stepped, "params": [_full(param) for param in params]}
+
+
+def sync_off_way_out_truth() -> list[torch.Tensor]:
+    """Float64, one process: every window over both ranks steps the first layer; the last two step the rest."""
+    model = make_model(torch.float64)
+    for window in range(WAY_OUT_WINDOWS):
+        total, weight_sum = torch.zeros((), dtype=torch.float64), 0.0
+        for rank in range(WORLD):
+            for micro in range(N):
+                x, y = micro_batch(rank, window, micro, dtype=torch.float64)
+                total = total + x.shape[0] * token_losses(model, x, y).mean()
+                weight_sum += x.shape[0]
+        model.zero_grad()
+        (total / weight_sum).backward()
+        with torch.no_grad():
+            for index, param in enumerate(model.parameters()):
+                if index < 2 or window > 0:
+                    param -= LR * param.grad
+    return [param.detach().clone() for param in model.parameters()]
+
+
 def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:
     """A mid-window checkpoint loaded, then the loop's zero_grad() before the next backward: FSDP (its sync on)
     holds nothing of the window, so zero_grad() releases gradients and the window goes on where it was saved."""
@@ -1031,7 +1083,7 @@ def _fsdp_sync_off_cases(rank: int) -> dict[str, str]:
     """FSDP2 with set_requires_gradient_sync(False) keeps a window's gradients itself, outside the buffers: a
     mid-window checkpoint would lose them and flush() cannot reduce them (both refused, nothing changed); a
     micro-batch dropped by zero_grad() must leave FSDP too (the window's first: it is the whole window), or a later
-    one is refused, since FSDP summed it with the earlier ones."""
+    one is refused, since FSDP summed it with the earlier ones (and the last backward reduced that sum)."""
     import gafused
 
     said: dict[str, str] = {}
@@ -1076,6 +1128,8 @@ def _fsdp_sync_off_cases(rank: int) -> dict[str, str]:
             backward(micro)
             if micro == 2 and dropped_first:
                 said[f"fsdp sync off zero_grad later ({loop} loop)"] = _said(RuntimeError, opt.zero_grad)
+            if micro == 3 and dropped_first:  # the last backward reduced FSDP's held gradients with its own
+                said[f"fsdp sync off zero_grad last ({loop} loop)"] = _said(RuntimeError, opt.zero_grad)
             opt.step()
             if micro == 1 and dropped_first:  # nothing since: FSDP holds the gradients, no p.grad shows them
                 said[f"fsdp sync off step twice ({loop} loop)"] = _said(RuntimeError, opt.step)
@@ -1522,6 +1576,10 @@ def _rank(rank: int, port: int, out: str) -> None:
             results[f"sync off records: {case}"] = run_sync_off_records(rank, case)
         except Exception as error:  # reported by the test, named
             results[f"sync off records: {case}"] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["sync off way out"] = run_sync_off_way_out(rank)
+    except Exception as error:  # reported by the test, named
+        results["sync off way out"] = {"error": f"{type(error).__name__}: {error}"}
     try:
         results["fsdp fp16 overflow"] = run_fp16_overflow(rank)
     except Exception as error:  # reported by the test, named

@@ -320,6 +320,26 @@ def test_fsdp_sync_off_records_count_each_micro_batch_as_its_backward_did(ranks:
     assert all(map(torch.equal, first, second))
 
 
+def test_fsdp_sync_off_conflict_past_the_first_micro_batch_is_left_by_loading_a_checkpoint(ranks: list[dict]) -> None:
+    """Two micro-batches of another accumulator in what FSDP (its sync off) holds of the second's parameters, past
+    its window's first micro-batch: step() and zero_grad() refuse and name the way out, loading a state_dict() taken
+    between windows, which drops the window; the next two windows go through on every rank and land on the float64
+    truth (the second's parameters step in those two alone)."""
+    truth = cases.sync_off_way_out_truth()
+    initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
+    results = [_result(ranks, "sync off way out", rank) for rank in range(cases.WORLD)]
+    for result in results:
+        said = result["said"]
+        for case in ("conflict step", "conflict zero_grad"):
+            assert "load_state_dict() a state_dict() taken between windows" in said[case], said[case]
+        assert "more than one micro-batch" in said["conflict step"], said["conflict step"]
+        assert said["load"] == "no error"
+        assert {message for case, message in said.items() if case.startswith("step ")} == {"no error"}, said
+        assert result["stepped"]
+        assert _error(result["params"], truth, initial) < FP32_ERROR
+    assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
+
+
 def test_fsdp_sync_switched_off_once_stays_off_after_each_window(ranks: list[dict]) -> None:
     """opt.backward() turns FSDP's gradient sync on for a window's last micro-batch only: the user's
     set_requires_gradient_sync(False) holds again for the next window's micro-batches (the case itself is exact,
@@ -437,8 +457,31 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
             assert "no parameter of the accumulator received a gradient" in refused, (loop, refused)
             refused = said[f"fsdp sync off zero_grad later ({loop} loop)"]
             assert ("already folded" if loop == "backward" else "FSDP holds") in refused, (loop, refused)
+            refused = said[f"fsdp sync off zero_grad last ({loop} loop)"]
+            assert ("already folded" if loop == "backward" else "FSDP reduced") in refused, (loop, refused)
         assert said["ddp synchronizes after a drop inside no_sync"] == "True"
         assert said["ddp no_sync after a drop"] == "True" and said["ddp uneven no_sync after a drop"] == "True"
+
+
+def test_unreduced_gradients_are_told_apart_by_tags_no_later_tensor_repeats() -> None:
+    """What FSDP holds unreduced is fingerprinted by tag, not id: the next gradient often lands at the address of one
+    freed before it, which gives it the same id; a tag stays its own tensor's."""
+    from gafused.distributed import _tag
+
+    kept = torch.zeros(4)
+    assert _tag(kept) == _tag(kept)
+    tags_by_id: dict[int, int] = {}
+    repeated = 0
+    for _ in range(200):
+        tensor = torch.zeros(4)
+        tag = _tag(tensor)
+        if id(tensor) in tags_by_id:
+            repeated += 1
+            assert tag != tags_by_id[id(tensor)]
+        tags_by_id[id(tensor)] = tag
+        del tensor
+    assert repeated > 0  # CPython hands a freed tensor's address to the next one: the case above was exercised
+    assert _tag(kept) == _tag(kept) and len(set(tags_by_id.values())) == len(tags_by_id)
 
 
 def test_settings_that_share_one_code_are_told_apart_by_the_other() -> None:
