@@ -2749,7 +2749,7 @@ def _grad_version(grad: torch.Tensor) -> int:
 def _held_tags(fingerprint: Any) -> tuple[int, ...] | None:
     """The tensors of an ``unreduced_fingerprint`` (pairs of tag and version), by tag alone (a tag, unlike an id, is
     never another tensor's, even after the first is freed)."""
-    return None if fingerprint is None else tuple(identity for identity, _ in fingerprint)
+    return None if fingerprint is None else tuple(tag for tag, _ in fingerprint)
 
 
 def _same_given(weight: Any, given: Any) -> bool:
