@@ -145,6 +145,24 @@ def micro_ms(rows: list[dict] | None, path: Path, device_label: str, provider_or
     return _save(figure, path)
 
 
+_COLORS = tuple(f"tab:{name}" for name in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray",
+                                             "olive", "cyan"))  # fmt: skip
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _series_styles(keys: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """A (colour, line style, marker) for each (backend, op, grad dtype) series, no two alike: the colour says the op
+    and grad dtype, the line style and marker the backend (the marker moves on again for every ten ops)."""
+    backends = list(dict.fromkeys(key[0] for key in keys))
+    ops = list(dict.fromkeys(key[1:] for key in keys))
+    styles = []
+    for backend, *op in keys:
+        b, o = backends.index(backend), ops.index(tuple(op))
+        style = b + len(backends) * (o // len(_COLORS))
+        styles.append((_COLORS[o % len(_COLORS)], _LINESTYLES[b % len(_LINESTYLES)], _MARKERS[style % len(_MARKERS)]))
+    return styles
+
+
 def kernels(rows: list[dict] | None, path: Path, device_label: str, cpu: bool) -> Path | None:
     """GB/s of each (backend, op, grad dtype) against the buffer size, with the copy_ bandwidth of each size."""
     ok = [r for r in rows or [] if r["status"] == "ok"]
@@ -158,10 +176,12 @@ def kernels(rows: list[dict] | None, path: Path, device_label: str, cpu: bool) -
     if not cpu:
         axis.plot([c[0] for c in copy], [0.9 * c[1] for c in copy], color="black", linewidth=0.8, linestyle="--",
                   label="goal: 90% of copy")  # fmt: skip
-    for key in dict.fromkeys((r["backend"], r["op"], r["grad_dtype"]) for r in ok):
+    keys = list(dict.fromkeys((r["backend"], r["op"], r["grad_dtype"]) for r in ok))
+    for key, (color, linestyle, marker) in zip(keys, _series_styles(keys), strict=True):
         points = sorted((r["acc_mb"], r["gbps"]) for r in ok if (r["backend"], r["op"], r["grad_dtype"]) == key)
         label = f"{key[0]} {key[1]}" + (f" ({key[2]} grads)" if key[2] != "-" else "")
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        axis.plot([p[0] for p in points], [p[1] for p in points], color=color, linestyle=linestyle, marker=marker,
+                  label=label)  # fmt: skip
     axis.set_xscale("log", base=2)
     axis.set_xticks([c[0] for c in copy], [f"{c[0]} MB" for c in copy])
     axis.set_ylim(bottom=0)

@@ -1753,3 +1753,27 @@ def test_git_tree_reads_the_execute_bit_and_nested_repositories_as_git_add_does(
     assert nested["git_untracked"] == ["inner/"] and nested["git_tree_dirty"] is True
     git("add", "-A")
     assert nested["git_tree"] == git("write-tree")
+
+
+def test_every_kernel_sweep_series_has_its_own_colour_line_and_marker(monkeypatch, tmp_path) -> None:
+    """Two backends of six (op, grad dtype) series each are more than matplotlib's ten colours: each line is told
+    apart by its colour, line style and marker together, never by its legend label alone."""
+    pytest.importorskip("matplotlib")
+    import plots
+    from matplotlib.colors import to_hex
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda figure, path: drawn.append(figure) or path)
+    series = [(op, dtype) for dtype in ("bf16", "fp32") for op in traffic.OP_NAMES if dtype == "bf16" or "fold" in op]
+    rows = [
+        {"status": "ok", "acc_mb": mb, "copy_gbps": 10.0, "backend": backend, "op": op, "grad_dtype": dtype,
+         "gbps": 5.0 + index}
+        for backend in ("triton", "cuda", "foreach") for index, (op, dtype) in enumerate(series) for mb in (256, 1024)
+    ]  # fmt: skip
+    assert plots.kernels(rows, tmp_path / "kernels.png", "GPU x", cpu=False) is not None
+    (figure,) = drawn
+    lines = [line for line in figure.axes[0].get_lines() if not line.get_label().startswith(("copy_", "goal"))]
+    assert len(lines) == 3 * len(series) > 10
+    looks = [(to_hex(line.get_color()), line.get_linestyle(), line.get_marker()) for line in lines]
+    assert len(set(looks)) == len(looks), "two series look the same"
+    figure.clf()
