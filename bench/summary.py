@@ -117,6 +117,29 @@ def _pick(rows: list[dict], prefix: str, dtype: str) -> str | None:
     return names[-1][1] if names else None
 
 
+def _triton_counts(results: dict) -> list[str]:
+    """The Triton kernels a micro-step launches, as a CPU run counts them under the interpreter (not timed)."""
+    lines: list[str] = []
+    cpu = results["meta"]["device_type"] == "cpu"
+    triton = results.get("triton_launches")
+    if cpu and triton:
+        if "sets" in triton:
+            counts = triton["sets"]
+            middles = {len(c["middle"]) for c in counts.values()}
+            lasts = {len(c["last"]) for c in counts.values()}
+            tensors = " and ".join(str(c["tensors"]) for c in counts.values())
+            lines += _wrap(
+                f"gafused-triton (what a GPU runs; counted here under the Triton interpreter, not timed): "
+                f"{'/'.join(map(str, sorted(middles)))} Triton kernel per middle micro-step and "
+                f"{'/'.join(map(str, sorted(lasts)))} per last one, for {tensors} tensors alike: launches do not grow "
+                f"with the parameter count (torch's own kernels for the 0-d weights and scales come on top: the GPU "
+                f"rows' launches count both)."
+            )
+        else:
+            lines.append(f"  gafused-triton launches: {triton['skipped']}")
+    return lines
+
+
 def _launches(results: dict) -> list[str]:
     rows = [r for r in results.get("micro") or [] if r["status"] == "ok"]
     cpu = results["meta"]["device_type"] == "cpu"
@@ -125,6 +148,16 @@ def _launches(results: dict) -> list[str]:
         return lines + ["  not run"]
     dtype = "bf16" if any(r["grad_dtype"] == "bf16" for r in rows) else rows[0]["grad_dtype"]
     sets = [name for name in (_pick(rows, "gpt2", dtype), _pick(rows, "many-small", dtype)) if name]
+    if not sets:
+        measured = ", ".join(dict.fromkeys(r["set"] for r in rows))
+        return (
+            lines
+            + _wrap(
+                f"no table: it compares the largest gpt2* and many-small sets, and this run measured neither "
+                f"(only {measured}; --sets chooses them). -tables.txt has every row of the micro-benchmark."
+            )
+            + _triton_counts(results)
+        )
     by_key = {(r["set"], r["provider"], r["moment"]): r for r in rows if r["grad_dtype"] == dtype}
     providers = list(dict.fromkeys(r["provider"] for r in rows if r["grad_dtype"] == dtype and r["set"] in sets))
     unit = "aten ops" if cpu else "kernels"
@@ -148,22 +181,7 @@ def _launches(results: dict) -> list[str]:
         example = next(r for r in rows if r["set"] == set_name)
         lines.append(f"  {set_name}: {example['tensors']} tensors, {example['elements']:,} elements")
     lines.append(f"  {unit}: dispatched per middle micro-step.")
-    triton = results.get("triton_launches")
-    if cpu and triton:
-        if "sets" in triton:
-            counts = triton["sets"]
-            middles = {len(c["middle"]) for c in counts.values()}
-            lasts = {len(c["last"]) for c in counts.values()}
-            tensors = " and ".join(str(c["tensors"]) for c in counts.values())
-            lines += _wrap(
-                f"gafused-triton (what a GPU runs; counted here under the Triton interpreter, not timed): "
-                f"{'/'.join(map(str, sorted(middles)))} Triton kernel per middle micro-step and "
-                f"{'/'.join(map(str, sorted(lasts)))} per last one, for {tensors} tensors alike: launches do not grow "
-                f"with the parameter count (torch's own kernels for the 0-d weights and scales come on top: the GPU "
-                f"rows' launches count both)."
-            )
-        else:
-            lines.append(f"  gafused-triton launches: {triton['skipped']}")
+    lines += _triton_counts(results)
     if cpu:
         text = (
             "On CPU an 'aten op' is the unit of work torch dispatches: every path here does about one or two per "

@@ -1777,3 +1777,27 @@ def test_every_kernel_sweep_series_has_its_own_colour_line_and_marker(monkeypatc
     looks = [(to_hex(line.get_color()), line.get_linestyle(), line.get_marker()) for line in lines]
     assert len(set(looks)) == len(looks), "two series look the same"
     figure.clf()
+
+
+def test_the_summary_says_why_it_has_no_launch_table_when_no_set_it_compares_ran() -> None:
+    """The launch table compares the gpt2* and many-small sets: a run of --sets single-big says so in its place,
+    not an empty table of headings."""
+    import summary
+
+    rows = [
+        {"set": "single-big", "tensors": 1, "elements": 1 << 20, "grad_dtype": "fp32", "provider": provider,
+         "backend": None, "moment": moment, "status": "ok", "median_ms": 1.0, "host_ms": 1.0, "launches": 3}
+        for provider in ("naive", "gafused-reference") for moment in ("middle", "last")
+    ]  # fmt: skip
+    meta = {"device_type": "cpu", "device": "CPU x", "gafused": "0", "torch": "0", "mode": "quick",
+            "date_utc": "2000-01-01T00:00:00+00:00", "default_backend": "reference"}  # fmt: skip
+    triton = {"skipped": "not counted in this test"}
+    screen = summary.render({"meta": meta, "micro": rows, "triton_launches": triton}, [])
+    section = screen.split("LAUNCHES AND HOST TIME")[1].split("KERNELS VS COPY BANDWIDTH")[0]
+    said = " ".join(section.split())
+    assert "no table" in said and "gpt2* and many-small" in said and "only single-big" in said
+    assert all(line.split()[:1] != ["provider"] for line in section.splitlines()), "no heading of an empty table"
+    assert "gafused-triton launches: not counted in this test" in said
+    rows = [{**row, "set": "many-small-512"} for row in rows]
+    section = summary.render({"meta": meta, "micro": rows}, []).split("LAUNCHES AND HOST TIME")[1]
+    assert "no table" not in section and "naive" in section and "many-small-512: 1 tensors" in section
