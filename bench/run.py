@@ -618,7 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         results = _results_file("--table", args.table)
         _refuse_run_options(args)
-        print(summary.readme_tables(results))
+        # A stopped run's tables say so first, as its -tables.txt and summary do.
+        status = _status_line(results["meta"])
+        print((f"{status}\n\n" if status else "") + summary.readme_tables(results))
         return 0
     if args.plot_only:
         saved = _results_file("--plot-only", args.plot_only)

@@ -1801,3 +1801,27 @@ def test_the_summary_says_why_it_has_no_launch_table_when_no_set_it_compares_ran
     rows = [{**row, "set": "many-small-512"} for row in rows]
     section = summary.render({"meta": meta, "micro": rows}, []).split("LAUNCHES AND HOST TIME")[1]
     assert "no table" not in section and "naive" in section and "many-small-512: 1 tensors" in section
+
+
+@pytest.mark.parametrize("state", ["interrupted", "unfinished", "complete"])
+def test_the_readme_tables_of_a_partial_results_file_say_it_is_partial(tmp_path, capsys, state) -> None:
+    """``--table`` of a run stopped by SIGTERM (or still being written) says so first, as its -tables.txt does."""
+    import run
+
+    row = {"set": "single-big", "tensors": 1, "elements": 1 << 20, "grad_dtype": "fp32", "provider": "naive",
+           "moment": "middle", "status": "ok", "median_ms": 1.0, "launches": 3}  # fmt: skip
+    meta = {"device_type": "cpu", "device": "CPU x", "complete": state == "complete", "interrupted": None}
+    if state == "interrupted":
+        meta["interrupted"] = {"signal": "SIGTERM", "during": "end to end", "after_s": 12.0}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": meta, "micro": [row], "e2e": None, "kernels": []}))
+    assert run.main(["--table", str(path)]) == 0
+    printed = capsys.readouterr().out
+    first = printed.splitlines()[0]
+    if state == "interrupted":
+        assert first.startswith("PARTIAL RESULTS: stopped by SIGTERM") and "during end to end" in first
+    elif state == "unfinished":
+        assert first.startswith("PARTIAL RESULTS: the run was still measuring")
+    else:
+        assert "PARTIAL" not in printed and first.startswith("| set | grads | moment |")
+    assert "| single-big (1 tensor, 1.0M elements) | fp32 | middle | 1.00 |" in printed
