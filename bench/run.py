@@ -644,7 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = provenance.out_problem(out)
     if problem is not None:
         _refuse(f"--out: {problem}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # out_problem cannot foresee every refusal (/proc takes no new folder, even from root)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        _refuse(f"--out: cannot create {out}: {error.strerror or error}")
     progress = progress_bars.factory(not args.no_progress)
     print(
         f"gafused {gafused.__version__}, {mode} run on {device_label}, torch {torch.__version__}; results to {out}",

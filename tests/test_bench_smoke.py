@@ -1825,3 +1825,32 @@ def test_the_readme_tables_of_a_partial_results_file_say_it_is_partial(tmp_path,
     else:
         assert "PARTIAL" not in printed and first.startswith("| set | grads | moment |")
     assert "| single-big (1 tensor, 1.0M elements) | fp32 | middle | 1.00 |" in printed
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_naming_out(monkeypatch, tmp_path, capsys) -> None:
+    """An --out that passes the up-front checks but cannot be created (``/proc/x``: /proc is writable to root, yet
+    takes no new folder) is refused with exit status 2 naming --out, before any part runs: not a traceback."""
+    import run
+
+    monkeypatch.setattr(run, "_run_parts", lambda *args, **kwargs: pytest.fail("a part ran before --out was made"))
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - Path.mkdir's signature
+        if self == tmp_path / "out":
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(SystemExit) as info:
+        run.main(["--quick", "--no-progress", "--device", "cpu", "--no-plots", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert f"--out: cannot create {tmp_path / 'out'}: No such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_under_proc_is_refused_by_the_command_line(tmp_path) -> None:
+    command = [sys.executable, str(ROOT / "bench/run.py"), "--quick", "--no-progress", "--device", "cpu",
+               "--out", "/proc/gafused-bench-out"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "--out: " in done.stderr and done.stdout == ""
