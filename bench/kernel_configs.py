@@ -66,6 +66,28 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return configs
 
 
+def parse_sizes(text: str) -> list[int]:
+    """``"256,4096"`` -> [256, 4096]: fp32 buffer sizes in whole MB, each at least 1."""
+    sizes = []
+    for item in text.split(","):
+        if re.fullmatch(r"\s*\d+\s*", item) is None or int(item) < 1:
+            raise ValueError(f"--sizes-mb: expected whole MB >= 1 separated by commas (like 256,4096), got {item!r}")
+        sizes.append(int(item))
+    return sizes
+
+
+def _option(parse: Callable[[str], list]) -> Callable[[str], list]:
+    """``parse`` as an argparse type: its ValueError becomes argparse's refusal, which names the option."""
+
+    def parsed(text: str) -> list:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error).split(": ", 1)[-1]) from None
+
+    return parsed
+
+
 def queued_ms(run: Callable[[], object], flush: torch.Tensor, reps: int) -> float | None:
     """Median ms of ``run``'s kernels alone: each sample is issued while the device sleeps (None off a GPU)."""
     if not flush.is_cuda:
@@ -199,20 +221,18 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for the JSON and the table")
-    parser.add_argument("--sizes-mb", default="256,4096", help="fp32 buffer sizes in MB (default 256,4096)")
-    parser.add_argument("--configs", default=_DEFAULT_CONFIGS, help=f"Triton BLOCKxWARPS (default {_DEFAULT_CONFIGS})")
+    parser.add_argument("--sizes-mb", type=_option(parse_sizes), default="256,4096",
+                        help="fp32 buffer sizes in whole MB (default 256,4096)")  # fmt: skip
+    parser.add_argument("--configs", type=_option(parse_configs), default=_DEFAULT_CONFIGS,
+                        help=f"Triton BLOCKxWARPS (default {_DEFAULT_CONFIGS})")  # fmt: skip
     parser.add_argument("--reps", type=int, default=30, help="samples per measurement (default 30)")
     args = parser.parse_args(argv)
+    if args.reps < 3:
+        parser.error(f"--reps must be >= 3, got {args.reps}")
+    provenance.check_out_option(parser, args.out)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: it times GPU kernels")
-    try:
-        configs = parse_configs(args.configs)
-        sizes = [int(s) for s in args.sizes_mb.split(",")]
-    except ValueError as error:
-        parser.error(str(error))
-    if args.reps < 3 or any(s < 1 for s in sizes):
-        parser.error("--reps must be >= 3 and every --sizes-mb entry >= 1")
-    provenance.check_out_option(parser, args.out)
+    sizes, configs = args.sizes_mb, args.configs
     device = torch.device("cuda")
     rows: list[dict] = []
     where: dict = {"during": None}

@@ -1854,3 +1854,30 @@ def test_an_out_under_proc_is_refused_by_the_command_line(tmp_path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "--out: " in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["gpu", "no-gpu"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sizes-mb", "abc"], "argument --sizes-mb: expected whole MB >= 1 separated by commas (like 256,4096), "
+                                "got 'abc'"),
+        (["--sizes-mb", "256,"], "argument --sizes-mb: "),
+        (["--sizes-mb", "0"], "argument --sizes-mb: "),
+        (["--configs", "4096xa"], "argument --configs: expected BLOCKxWARPS items like 4096x8, got '4096xa'"),
+        (["--reps", "2"], "--reps must be >= 3, got 2"),
+    ],
+    ids=["sizes-not-a-number", "sizes-empty-item", "sizes-zero", "configs", "reps"],
+)  # fmt: skip
+def test_kernel_configs_names_the_option_it_refuses(monkeypatch, tmp_path, capsys, cuda, argv, message) -> None:
+    """A malformed --sizes-mb used to end in int()'s own words ("invalid literal for int() with base 10"), or, with
+    no GPU, in "needs a CUDA device": the refusal names the option whether or not a GPU is there."""
+    import kernel_configs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(kernel_configs, "run", lambda *args, **kwargs: pytest.fail("measured before refusing"))
+    with pytest.raises(SystemExit) as info:
+        kernel_configs.main([*argv, "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
