@@ -515,8 +515,8 @@ def _tables(results: dict) -> str:
             f"{r['recipe']:<40} {r['param_dtype']:<9} {r['peak_bytes_per_param']:>8.2f}  {r['note']}"
             for r in results["memory"]
         ))  # fmt: skip
-    else:
-        parts.append(f"memory: {results.get('memory_status')}")
+    elif results.get("memory_status"):  # not built, or failed; a --kernels-only run does not measure memory
+        parts.append(f"memory: {results['memory_status']}")
     if results.get("correctness"):
         parts.append(
             "correctness (relative error vs float64 big batch)\n"

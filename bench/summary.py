@@ -77,6 +77,8 @@ def _wrap(text: str, indent: str = "  ") -> list[str]:
 def _memory(results: dict) -> list[str]:
     lines = [_heading("MEMORY  peak bytes per parameter during a training step (lower is better)")]
     rows = results.get("memory")
+    if rows is None and not results.get("memory_status"):  # the part did not run (--kernels-only)
+        return lines + ["  not run"]
     if not rows:
         return lines + [f"  memory: {results.get('memory_status') or 'no rows'}"]
     lines.append(f"  {'recipe':<38} {'params':<9} {'bytes/param':>11}  note")

@@ -1881,3 +1881,19 @@ def test_kernel_configs_names_the_option_it_refuses(monkeypatch, tmp_path, capsy
     assert info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_kernels_only_run_writes_no_memory_none(tmp_path) -> None:
+    """--kernels-only measures no memory: its tables have no memory section (not "memory: None") and its summary
+    says the part did not run."""
+    command = [sys.executable, str(ROOT / "bench/run.py"), "--kernels-only", "--quick", "--no-plots", "--no-progress",
+               "--device", "cpu", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (tables,) = tmp_path.glob("*-kernels-only-tables.txt")
+    text = tables.read_text()
+    assert "None" not in text and "memory" not in text.lower()
+    assert "kernel sweep" in text
+    for summary_text in (done.stdout, next(tmp_path.glob("*-summary.txt")).read_text()):
+        memory = summary_text.split("MEMORY ")[1].split("CORRECTNESS ")[0]
+        assert memory.splitlines()[1:3] == ["  not run", ""]
