@@ -15,7 +15,8 @@ window and reports what the table cannot show:
     python bench/e2e_profile.py --out DIR            # the e2e model of the device (GPT-2 124M on a GPU)
     python bench/e2e_profile.py --quick --out DIR    # the tiny model (CPU smoke run)
 
-Writes ``<device>-<date>-e2e-profile.json`` and ``.txt`` to ``--out``. Stopped by SIGTERM (bench/gpu_check.sh's
+Writes ``<device>-<date>-e2e-profile.json`` and ``.txt`` to ``--out``, the device named as bench/run.py names it
+(on CPU its model and the torch thread count, ``--threads``, default 1). Stopped by SIGTERM (bench/gpu_check.sh's
 time limit) or Ctrl-C, it writes the recipes profiled so far, marked partial (``meta.interrupted``), and exits
 with 143 (130).
 """
@@ -155,16 +156,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny model of the smoke run")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--warmup", type=int, default=2, help="windows before the profiled one (default 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch on CPU (default 1, as bench/run.py; the count is recorded with the results)",
+    )
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error(f"--warmup must be >= 1 (the first window builds buffers and caches), got {args.warmup}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     device = provenance.device_option(parser, args.device)
     provenance.check_out_option(parser, args.out)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    # The device as bench/run.py names it (and its files): the GPU's name, or the CPU's model and thread count.
+    device_label = provenance.device_name(device)
+    if device.type == "cpu":
+        device_label += f" ({threads} thread{'s' if threads > 1 else ''})"
     run = e2e.setup(device, "quick" if args.quick else "full")
     recipes = {label: make for label, accumulation, make in run.recipes if accumulation > 1}
-    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results = {
-        "meta": {"device": label, "warmup": args.warmup, "interrupted": None},
+        "meta": {"device": device_label, "cpu_threads": threads, "warmup": args.warmup, "interrupted": None},
         "config": {**run.config.__dict__, "model": run.model_name},
         "recipes": {},
     }
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             stop = stopped
             results["meta"]["interrupted"] = interrupt.describe(stopped, name)
     with interrupt.sigterm_ignored():
-        provenance.save_report(args.out, device, label, "e2e-profile", results, format_report(results))
+        provenance.save_report(args.out, device, device_label, "e2e-profile", results, format_report(results))
     return 0 if stop is None else interrupt.exit_status(stop)
 
 

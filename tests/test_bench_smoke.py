@@ -733,6 +733,7 @@ def test_bad_options_are_refused_before_any_part_runs_or_any_file_is_written(
         ("host_overhead", ["--out", "FILE/out"], "--out: FILE exists and is not a directory"),
         ("e2e_profile", ["--device", "tpu"], "--device: 'tpu' is neither cuda (cuda:N) nor cpu"),
         ("e2e_profile", ["--out", "FILE"], "--out: FILE exists and is not a directory"),
+        ("e2e_profile", ["--threads", "0"], "--threads must be >= 1, got 0"),
         ("distributed", ["--out", "DIR"], "--out: DIR is a directory; a file is expected"),
         ("distributed", ["--out", "FILE/out.json"], "--out: FILE exists and is not a directory"),
         ("frameworks", ["--out", "DIR"], "--out: DIR is a directory; a file is expected"),
@@ -1897,3 +1898,31 @@ def test_a_kernels_only_run_writes_no_memory_none(tmp_path) -> None:
     for summary_text in (done.stdout, next(tmp_path.glob("*-summary.txt")).read_text()):
         memory = summary_text.split("MEMORY ")[1].split("CORRECTNESS ")[0]
         assert memory.splitlines()[1:3] == ["  not run", ""]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_profile_script_fixes_and_records_the_thread_count_and_names_its_files_as_run_does(
+    monkeypatch, tmp_path, threads
+) -> None:
+    """e2e_profile.py on CPU runs torch with --threads (default 1, as bench/run.py), records the count, and names its
+    files after the device as bench/run.py does (the CPU's model and threads), not ``cpu-...``."""
+    import e2e_profile
+    import provenance
+
+    monkeypatch.setattr(
+        e2e_profile, "profile_recipe", lambda *args, **kwargs: {"seen_threads": torch.get_num_threads()}
+    )
+    monkeypatch.setattr(e2e_profile, "format_report", lambda results: "report")
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        argv = ["--quick", "--device", "cpu", "--warmup", "1", "--out", str(tmp_path)]
+        assert e2e_profile.main(argv + ([] if threads == 1 else ["--threads", str(threads)])) == 0
+    finally:
+        torch.set_num_threads(before)
+    (path,) = tmp_path.glob("*-e2e-profile.json")
+    saved = json.loads(path.read_text())
+    label = f"{provenance.device_name('cpu')} ({threads} thread{'s' if threads > 1 else ''})"
+    assert saved["meta"]["device"] == label and saved["meta"]["cpu_threads"] == threads
+    assert {r["seen_threads"] for r in saved["recipes"].values()} == {threads}
+    assert path.name.startswith(provenance.slug(label) + "-") and not path.name.startswith("cpu-2")
