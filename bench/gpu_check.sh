@@ -42,8 +42,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 repo=$(pwd)
 out="${OUT:-bench/results/gpu-check}"
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+# Absolute (the phases run in child shells), but not created yet: a call that is refused (an unknown phase) leaves
+# nothing behind. main and run_phase create it.
+[[ "$out" == /* ]] || out="$repo/$out"
 python="${PYTHON:-python3}"
 budget_s="${GPU_CHECK_BUDGET_S:-570}"
 grace_s="${GPU_CHECK_GRACE_S:-20}"
@@ -249,6 +250,7 @@ detail_of() {
 
 run_phase() {  # run_phase NAME LIMIT_S (0: no limit)
   local phase=$1 limit=$2 status began=$SECONDS
+  mkdir -p "$out" || return 1
   echo "== $phase$([ "$limit" -gt 0 ] && echo " (limit ${limit} s)")"
   if [ "$limit" -gt 0 ]; then
     # timeout signals the phase's whole process group (pytest, the sanitizer and their children): SIGTERM at the
@@ -318,6 +320,7 @@ main() {
   local -a phases
   planned=$(plan "$@") || exit 2
   read -ra phases <<<"$planned"
+  mkdir -p "$out" || exit 1
   # A phase that could not get a useful slice (20 s) is reported as not run. The build must pass for the later
   # phases to mean anything.
   for phase in "${phases[@]}"; do

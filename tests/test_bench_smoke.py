@@ -1926,3 +1926,19 @@ def test_the_profile_script_fixes_and_records_the_thread_count_and_names_its_fil
     assert saved["meta"]["device"] == label and saved["meta"]["cpu_threads"] == threads
     assert {r["seen_threads"] for r in saved["recipes"].values()} == {threads}
     assert path.name.startswith(provenance.slug(label) + "-") and not path.name.startswith("cpu-2")
+
+
+def test_gpu_check_refuses_an_unknown_phase_before_it_creates_anything(tmp_path) -> None:
+    """``bash bench/gpu_check.sh nope`` is refused (status 2) without making its output folder, $OUT's or the
+    default bench/results/gpu-check; a call it accepts makes it."""
+    env = _gpu_check_tree(tmp_path)
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    default = {key: value for key, value in env.items() if key != "OUT"}
+    for environment in (env, default):
+        refused = subprocess.run(["bash", "bench/gpu_check.sh", "nope"], cwd=tmp_path, env=environment,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert refused.returncode == 2 and "unknown phase 'nope'" in refused.stderr
+        assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+    done = _gpu_check_main(tmp_path, env, "env", 'phase_env() { echo ok > "$(log env)"; }')
+    assert done.returncode == 0 and (tmp_path / "out" / "gpu-env.log").read_text() == "ok\n"
+    assert (tmp_path / "out" / "summary.txt").exists()
