@@ -983,9 +983,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 drop += " or keep that backward off them (its inputs=, or requires_grad_(False) meanwhile)"
         else:
             drop = (
-                "FSDP holds or held them unreduced (its gradient sync off), summed with the window's earlier "
-                "micro-batches: zero_grad() drops them with the window's first micro-batch; past it, only the whole "
-                "window goes: load_state_dict() a state_dict() taken between windows"
+                "FSDP holds or held them unreduced (its gradient sync off), summed with any earlier micro-batch of "
+                "the window: zero_grad() drops them at the window's first micro-batch; past it, " + _DROP_WINDOW
             )
         if elsewhere.conflict:
             raise ValueError(
@@ -1422,8 +1421,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"zero_grad(): FSDP holds this micro-batch's gradients (micro-batch {self._micro_step + 1} of the "
                     "window, its sync off) summed with the window's earlier ones, where they cannot be told apart; "
-                    "nothing changed. End it with step(), or drop the whole window: load_state_dict() a state_dict() "
-                    "taken between windows"
+                    "nothing changed. End it with step(), or " + _DROP_WINDOW
                 )
             self._discard_window()  # the window's first: FSDP holds it alone
             return
@@ -1431,8 +1429,7 @@ class GradAccumulator(torch.optim.Optimizer):
             raise RuntimeError(
                 f"zero_grad(): FSDP reduced this micro-batch's gradients (micro-batch {self._micro_step + 1} of the "
                 "window) summed with the window's earlier ones, which it held unreduced (its sync off), where they "
-                "cannot be told apart; nothing changed. End it with step(), or drop the whole window: "
-                "load_state_dict() a state_dict() taken between windows"
+                "cannot be told apart; nothing changed. End it with step(), or " + _DROP_WINDOW
             )
         self._release_grads()
 
@@ -2735,6 +2732,12 @@ class _WeightedElsewhere:
 
 
 _MICRO_SERIALS = itertools.count(1)
+# The way out where FSDP (its sync off) summed what no call can drop alone. Every accumulator: one loaded alone would
+# run out of step with the others' windows, and a backward ending theirs would reduce in the middle of its own.
+_DROP_WINDOW = (
+    "drop the whole window: load every accumulator over the model with the state_dict() it gave at one point between "
+    "windows (its own state_dict(): a torch.distributed.checkpoint load is refused while a window is open)"
+)
 # What another accumulator's backward() may change of one accumulator: (param, p.grad, its version) for each of its
 # parameters, what FSDP holds unreduced of them (an unreduced_fingerprint), and its _WeightedElsewhere record.
 _OthersBefore = tuple[list[tuple[torch.Tensor, torch.Tensor | None, int]], Any, "_WeightedElsewhere | None"]

@@ -322,20 +322,20 @@ def test_fsdp_sync_off_records_count_each_micro_batch_as_its_backward_did(ranks:
 
 def test_fsdp_sync_off_conflict_past_the_first_micro_batch_is_left_by_loading_a_checkpoint(ranks: list[dict]) -> None:
     """Two micro-batches of another accumulator in what FSDP (its sync off) holds of the second's parameters, past
-    its window's first micro-batch: step() and zero_grad() refuse and name the way out, loading a state_dict() taken
-    between windows, which drops the window; the next two windows go through on every rank and land on the float64
-    truth (the second's parameters step in those two alone)."""
+    its window's first micro-batch: step() and zero_grad() refuse and name the way out, loading every accumulator
+    over the model with the state_dict() it gave between windows, which drops the window; the next two windows go
+    through on every rank and land on the float64 truth of those two."""
     truth = cases.sync_off_way_out_truth()
     initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
     results = [_result(ranks, "sync off way out", rank) for rank in range(cases.WORLD)]
     for result in results:
         said = result["said"]
         for case in ("conflict step", "conflict zero_grad"):
-            assert "load_state_dict() a state_dict() taken between windows" in said[case], said[case]
+            assert "load every accumulator over the model with the state_dict() it gave" in said[case], said[case]
         assert "more than one micro-batch" in said["conflict step"], said["conflict step"]
-        assert said["load"] == "no error"
+        assert said["load"] == "no error" and said["micro_steps after the load"] == "[0, 0]"
         assert {message for case, message in said.items() if case.startswith("step ")} == {"no error"}, said
-        assert result["stepped"]
+        assert all(result["stepped"])
         assert _error(result["params"], truth, initial) < FP32_ERROR
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
