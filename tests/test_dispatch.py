@@ -263,6 +263,47 @@ def test_a_dispatch_mode_over_plain_tensors_goes_through_the_custom_op():
     assert torch.ops.gafused.fold_.default in targets and torch.ops.gafused.fold_finish_.default in targets
 
 
+def test_scale_under_a_dispatch_mode_goes_through_the_custom_op_and_computes_what_eager_does():
+    """scale_, in place and cast into ``out``, traced by make_fx: the graph holds gafused.scale_ for each call, and
+    the traced run leaves the buffer and ``out`` as an eager run does, bit for bit."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(traced):
+        buffer = FlatGradBuffer([torch.zeros(6), torch.zeros(3, 2)])
+        ops.fold_(buffer, [torch.linspace(-1, 2, 6), torch.linspace(3, 1, 6).reshape(3, 2)], 1.0, first=True)
+        out = torch.zeros(buffer.numel, dtype=torch.bfloat16)
+
+        def window(coef, out):
+            ops.scale_(buffer, coef, out=out, backend="foreach")
+            ops.scale_(buffer, coef, backend="foreach")
+
+        if not traced:
+            window(torch.tensor(0.3), out)
+            return buffer.data, out, []
+        graph = make_fx(window)(torch.tensor(0.3), out)
+        return buffer.data, out, [node.target for node in graph.graph.nodes if node.op == "call_function"]
+
+    eager_data, eager_out, _ = run(traced=False)
+    traced_data, traced_out, targets = run(traced=True)
+    assert targets == [torch.ops.gafused.scale_.default] * 2
+    assert torch.equal(traced_data, eager_data) and torch.equal(traced_out, eager_out)
+
+
+def test_a_backend_that_failed_to_import_reaching_a_registered_op_is_named_with_its_install_hint():
+    """torch.ops.gafused.* take the backend by name and skip resolve_backend: one that does not import raises
+    RuntimeError with its import error and the command that installs it, and the buffer is left as it was."""
+    reason = ops.backend_unavailable_reason("cuda", "cpu")
+    if reason is None or "failed to import" not in reason:
+        pytest.skip(f"the cuda backend imports here ({reason})")
+    acc = torch.arange(8.0)
+    refusal = r"backend 'cuda' failed to import: ImportError.*To install it: GAFUSED_FORCE_CUDA=1 pip install"
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.ops.gafused.sum_of_squares(acc, [0], [8], False, "cuda")
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.ops.gafused.scale_(acc, [0], [8], torch.tensor(2.0), None, "cuda")
+    assert torch.equal(acc, torch.arange(8.0))
+
+
 def test_capture_is_asked_of_the_buffers_device_stream(monkeypatch):
     """is_current_stream_capturing() asks about the current device: _capturing must switch to the buffer's device
     first, or a capture on the buffer's stream (another device current) is not refused."""
