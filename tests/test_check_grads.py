@@ -43,6 +43,31 @@ def test_torch_provides_the_tensor_check_the_fast_path_uses():
     assert ops._TensorGuards is not None, "torch._C._dynamo.guards.TensorGuards is missing or answers differently"
 
 
+def test_a_tensor_check_that_is_missing_or_answers_differently_is_not_used(monkeypatch):
+    """The fast path takes torch's private TensorGuards only where it gives the answers check_grads relies on: a
+    guard that also matches a tensor of another dtype, one that fails when built, or none at all leaves it off."""
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    real = guards.TensorGuards
+
+    class MatchesEverything:
+        def __init__(self, *tensors, **kwargs):
+            pass
+
+        def check(self, *tensors):
+            return True
+
+    class FailsWhenBuilt:
+        def __init__(self, *tensors, **kwargs):
+            raise RuntimeError("no guards here")
+
+    assert ops._load_tensor_guards() is real
+    for replacement in (MatchesEverything, FailsWhenBuilt):
+        monkeypatch.setattr(guards, "TensorGuards", replacement)
+        assert ops._load_tensor_guards() is None, replacement.__name__
+    monkeypatch.delattr(guards, "TensorGuards")
+    assert ops._load_tensor_guards() is None
+
+
 def test_gradients_laid_out_like_the_recorded_ones_come_back_as_given():
     buffer = _buffer()
     _recorded(buffer)
@@ -262,6 +287,10 @@ def test_a_layout_of_no_segments_is_a_no_op_on_every_backend(backend):
     total, bad = torch.ops.gafused.fold_finish_(acc, [], [], [], one, one, False, backend)
     assert total.item() == 0 and not bad.item()
     torch.ops.gafused.scale_(acc, [], [], one, None, backend)
+    per_segment = torch.ops.gafused.sum_of_squares(acc, [], [], True, backend)
+    assert per_segment.shape == (0,) and per_segment.dtype == acc.dtype
+    total = torch.ops.gafused.sum_of_squares(acc, [], [], False, backend)
+    assert total.shape == () and total.dtype == acc.dtype and total.item() == 0
 
 
 @pytest.mark.parametrize(
