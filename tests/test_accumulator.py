@@ -2437,6 +2437,23 @@ def test_uninitialized_lazy_parameters_are_refused_by_position():
     GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
 
 
+def test_a_sparse_parameter_is_refused_by_position_when_the_accumulator_is_built():
+    """The buffers lay out dense parameters only: a sparse one is refused at construction, named by its place in the
+    optimizer's groups (not later, at the first fold)."""
+    dense = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    sparse = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64).to_sparse())
+    inner = torch.optim.SGD([{"params": [dense]}, {"params": [sparse]}], lr=0.1)
+    refusal = r"param_groups\[1\]\['params'\]\[0\] \(shape \(3, 3\)\): .*dense .*sparse_coo"
+    with pytest.raises(ValueError, match=refusal):
+        GradAccumulator(inner, 2)
+
+
+def test_an_optimizer_whose_groups_hold_no_parameter_is_refused():
+    """torch.optim accepts a group with an empty parameter list; an accumulator would have nothing to manage."""
+    with pytest.raises(ValueError, match="optimizer has no parameters to manage"):
+        GradAccumulator(torch.optim.SGD([{"params": []}], lr=0.1), 2)
+
+
 def test_a_step_pre_hook_may_hand_back_its_empty_arguments():
     """A pre-hook written for any optimizer may return the (args, kwargs) it got: no change, so the window steps;
     new arguments are still refused (the inner step takes none), discarding the window."""

@@ -4,6 +4,7 @@ The accumulator owns no parameter groups: ``param_groups``, ``state`` and ``defa
 Schedulers built on it are compared with the same scheduler on a plain optimizer stepped once per window.
 """
 
+import collections
 import copy
 import pickle
 import warnings
@@ -124,6 +125,26 @@ def test_it_is_an_optimizer_whose_groups_state_and_defaults_are_the_inner_ones()
     text = repr(opt)
     assert text.startswith("GradAccumulator(AdamW, accumulation_steps=2, normalization='mean'")
     assert "accumulation_steps=None" in repr(GradAccumulator(torch.optim.SGD(_model().parameters(), lr=0.1), None))
+
+
+def test_param_groups_and_state_assigned_on_the_accumulator_are_the_inner_optimizers():
+    """param_groups and state are the inner optimizer's: code that assigns them on the optimizer it was given (as
+    torch.optim's own load_state_dict assigns param_groups) replaces the inner optimizer's, which its step reads."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, accumulation_steps=1)
+    groups = [{**group, "lr": 0.0} for group in inner.param_groups]
+    opt.param_groups = groups
+    assert inner.param_groups is groups and opt.param_groups is groups
+    state = collections.defaultdict(dict)
+    opt.state = state
+    assert inner.state is state and opt.state is state
+    before = [param.detach().clone() for param in model.parameters()]
+    x, y = _micro_batches(1)[0]
+    _loss(model, x, y).backward()
+    opt.step()
+    assert opt.stepped  # stepped with the assigned groups' lr 0: nothing moved
+    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before, strict=True))
 
 
 def test_add_param_group_is_refused():
@@ -263,6 +284,24 @@ def test_lr_scheduler_patches_step_and_sees_it_called():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scheduler.step()
+
+
+def test_a_load_state_dict_pre_hook_may_return_the_dict_to_load():
+    """As with torch.optim.Optimizer: a load pre-hook that returns a dict has that dict loaded instead of the one
+    given (which stays as it was); one that returns None leaves the given dict to load."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    state = opt.state_dict()
+    window = state["gafused"]
+
+    def replacing(optimizer, loaded):
+        return {**loaded, "gafused": {**loaded["gafused"], "skipped_steps": 3}}
+
+    opt.register_load_state_dict_pre_hook(replacing)
+    opt.register_load_state_dict_pre_hook(lambda optimizer, loaded: None)
+    opt.load_state_dict(state)
+    assert opt.skipped_steps == 3
+    assert state["gafused"] is window and window["skipped_steps"] == 0
 
 
 def test_state_dict_hooks_run_around_the_whole_dict():
