@@ -198,6 +198,12 @@ def test_layout_alignment_offsets_and_views():
     assert buffer.numel == 20
     assert all(isinstance(offset, int) for offset in buffer.offsets)
     assert buffer.offsets_tensor.dtype == torch.int64
+    assert buffer.offsets_tensor.tolist() == buffer.offsets and buffer.offsets_tensor is buffer.offsets_tensor
+    assert buffer.numels_tensor.dtype == torch.int64 and buffer.numels_tensor.tolist() == [3, 0, 10, 1]
+    assert buffer.numels_tensor is buffer.numels_tensor  # made once
+    assert repr(buffer) == (
+        "FlatGradBuffer(segments=4, numel=20, accum_dtype=torch.float32, device=cpu, alignment_bytes=16)"
+    )
     view = buffer.view(2)
     view.fill_(2.0)
     assert view.shape == (5, 2) and view.data_ptr() == buffer.data.data_ptr() + 4 * 4
@@ -228,6 +234,8 @@ def test_buckets_are_views_of_the_buffer_with_their_own_indices():
         # The bucket's memory runs to the next bucket's first segment: its trailing alignment padding is its own.
         end = buffer.offsets[indices.stop] if indices.stop < len(buffer) else buffer.numel
         assert bucket.numel == end - buffer.offsets[indices.start] and bucket.data.numel() == bucket.numel
+        # A bucket is one bucket: itself (made per call, not kept).
+        assert len(bucket.buckets) == 1 and bucket.buckets[0] is bucket and bucket.bucket_ranges == [range(len(bucket))]
 
 
 def test_views_refuse_a_strided_source():
@@ -248,8 +256,9 @@ def test_views_refuse_a_strided_source():
         ([0, 4], [4, 5], 8, r"segment 1 \[4, 9\) lies outside acc of 8 elements"),
         ([-1], [1], 2, r"segment 0 has a negative offset or numel \(-1, 1\)"),
         ([0], [-1], 2, r"segment 0 has a negative offset or numel \(0, -1\)"),
+        ([0], [4, 4], 8, r"offsets and numels must have the same length, got 1 and 2"),
     ],
-    ids=["overlap-by-one", "same-start", "outside", "negative-offset", "negative-numel"],
+    ids=["overlap-by-one", "same-start", "outside", "negative-offset", "negative-numel", "lengths-differ"],
 )
 def test_check_layout_refuses_each_bad_layout_for_its_own_reason(offsets, numels, numel, message):
     from gafused.buffer import check_layout
