@@ -284,6 +284,20 @@ def test_prepare_refuses_bad_input(fresh_accelerate) -> None:
         gafused_accelerate.prepare(accelerator, model, optimizer)
 
 
+def test_a_prepared_optimizer_refuses_a_new_group_and_a_second_prepare(fresh_accelerate) -> None:
+    """add_param_group() on the prepared optimizer is the accumulator's refusal (its buffers are laid out for the
+    parameters it was built with), and the inner optimizer keeps its groups; once free_memory() let the accelerator
+    be prepared again, the optimizer prepare() returned is refused as already prepared, not wrapped twice."""
+    accelerator, model, optimizer, _, _ = _prepared()
+    prepared = gafused_accelerate.prepare(accelerator, model, optimizer)
+    with pytest.raises(RuntimeError, match=r"add_param_group\(\): .*build a new GradAccumulator"):
+        prepared.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert len(optimizer.optimizer.param_groups) == 1
+    accelerator.free_memory()
+    with pytest.raises(RuntimeError, match=r"optimizer: already prepared by gafused.integrations.accelerate.prepare"):
+        gafused_accelerate.prepare(accelerator, model, prepared)
+
+
 def test_the_optimizer_prepare_replaced_refuses_step_and_zero_grad(fresh_accelerate) -> None:
     """A loop that dropped prepare()'s return value and kept Accelerate's optimizer would bypass gafused: that
     optimizer's step() and zero_grad() raise, naming the fix, and change nothing; free_memory() gives them back."""

@@ -1032,6 +1032,29 @@ def test_loss_items_need_labels(tmp_path: Path) -> None:
         _trainer(tmp_path).loss_items({"input_ids": torch.ones(1, 3, dtype=torch.long)})
 
 
+def test_question_answering_loss_items_need_tensors_and_the_sequences_length(tmp_path: Path) -> None:
+    """A question-answering batch is counted from tensors, and its positions beyond the sequence (which the loss
+    ignores) are known only from 'input_ids' or 'attention_mask': without them, or with a position given as a list,
+    loss_items refuses, naming what to override."""
+    trainer = _trainer(tmp_path)
+    with pytest.raises(TypeError, match=r"inputs\['start_positions'\] must be a tensor to count loss items, got list"):
+        trainer.loss_items({"start_positions": [1, 2], "end_positions": torch.tensor([2, 3])})
+    no_tokens = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([2, 3])}
+    with pytest.raises(
+        ValueError, match=r"without 'input_ids' or 'attention_mask'.*override GafusedTrainer\.loss_items"
+    ):
+        trainer.loss_items(no_tokens)
+    assert int(trainer.loss_items({**no_tokens, "attention_mask": torch.ones(2, 4, dtype=torch.long)})) == 2
+
+
+def test_training_step_before_train_is_refused(tmp_path: Path) -> None:
+    """The accumulator is built by train(): a training_step() called on its own has no window to fold into."""
+    trainer = _trainer(tmp_path)
+    with pytest.raises(RuntimeError, match=r"training_step\(\): the GradAccumulator is built by train\(\)"):
+        trainer.training_step(trainer.model, {"labels": torch.ones(1, 3, dtype=torch.long)})
+    assert trainer.accumulator is None
+
+
 def test_a_non_finite_window_is_skipped_and_does_not_step_the_scheduler(tmp_path: Path) -> None:
     model = cases.make_model()
     trainer = _trainer(tmp_path, model=model, max_steps=4)
