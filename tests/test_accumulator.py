@@ -1703,6 +1703,33 @@ def test_a_swap_after_a_window_whose_finished_gradients_nobody_wrote_is_accepted
         _assert_same_params(model, reference, 1e-12)
 
 
+def test_a_frozen_parameter_swapped_between_windows_is_accepted(swap_on_conversion):
+    """A parameter that does not require grad has no hook tables and no finished gradient in p.grad: model.to()
+    swapping it between windows (the backward loop without zero_grad()) is accepted, the others' hooks are attached
+    again (every micro-batch still folds during backward), and every window is the big batch's."""
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="do not require grad"):
+        opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    ready = []
+    on_bucket_ready = opt.on_bucket_ready
+    opt.on_bucket_ready = lambda g, b: (ready.append(b), on_bucket_ready(g, b))
+    batches = _data([3, 4, 2, 5, 4, 3])
+    for window in range(3):
+        pair = batches[2 * window : 2 * window + 2]
+        if window:
+            _swap_every_tensor(model, "to")
+        ready.clear()
+        for x, y in pair:
+            opt.backward(_loss(model, x, y), weight=len(x))
+            opt.step()
+        assert opt.stepped and len(ready) == 2 and model[0].bias.grad is None
+        _big_batch_step(reference, reference_opt, pair)
+        _assert_same_params(model, reference, 1e-12)
+
+
 def _micro_step(opt, model, x, y, loop, scaler=None, weight=None):
     """One micro-batch weighted by ``weight`` (default: its size) in either loop; ``scaler``: the step-time loop
     scales the loss with it (``opt.backward`` scales it with the accumulator's own)."""
@@ -1780,6 +1807,27 @@ def test_an_equal_cpu_tensor_weight_may_be_repeated_by_a_later_backward():
         opt.backward(_loss(model, x, y), weight=torch.tensor(2.0))
     opt.step()
     assert opt.micro_step == 1
+
+
+def test_a_weight_of_1_repeats_a_first_backward_that_gave_none():
+    """A first backward() without a weight weighs its micro-batch 1: a later backward() of the same micro-batch may
+    repeat that as 1 (a number or a CPU tensor), and folds what weight=None would; any other weight is refused."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    plain = GradAccumulator(torch.optim.SGD(reference.parameters(), lr=0.1), accumulation_steps=2)
+    batches = _data([3, 2, 4])
+    for weights in ((None, 1, torch.tensor(1.0)), (None, None, None)):
+        net, accumulator = (model, opt) if weights[1] is not None else (reference, plain)
+        for (x, y), weight in zip(batches, weights, strict=True):
+            accumulator.backward(_loss(net, x, y), weight=weight)
+        if accumulator is opt:
+            with pytest.raises(ValueError, match=r"given as None by an earlier backward\(\); got 2\.0"):
+                opt.backward(_loss(model, *batches[0]), weight=2.0)
+        accumulator.step()
+        accumulator.backward(_loss(net, *batches[1]))
+        accumulator.step()
+        assert accumulator.stepped
+    _assert_same_params(model, reference, 0)
 
 
 def test_loss_scaler_is_updated_only_for_a_step_that_ran_or_was_skipped():
