@@ -226,6 +226,33 @@ def test_no_step_hook_fires_on_a_skipped_window():
     assert opt.skipped_steps == 1 and calls == []
 
 
+@pytest.mark.parametrize("loop", ["backward", "step"])
+def test_a_step_post_hook_may_drop_the_finished_gradients_with_zero_grad(loop):
+    """A post-hook that calls zero_grad() (as a training loop might, right after the step) drops the finished
+    gradients the step handed out: p.grad is None after each window, and the next windows are the plain optimizer's
+    windows of the same micro-batches."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=STEPS)
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: optimizer.zero_grad())
+    batches = _micro_batches(3 * STEPS)
+    for window in range(3):
+        pair = batches[STEPS * window : STEPS * (window + 1)]
+        for x, y in pair:
+            if loop == "backward":
+                opt.backward(_loss(model, x, y))
+            else:
+                _loss(model, x, y).backward()
+            opt.step()
+        assert opt.stepped and all(param.grad is None for param in model.parameters())
+        plain.zero_grad()
+        (sum(_loss(reference, x, y) for x, y in pair) / STEPS).backward()
+        plain.step()
+        for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(param, expected, rtol=0, atol=1e-14)
+
+
 def test_a_pre_hook_returning_arguments_is_refused_and_the_window_discarded():
     model = _model()
     opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
