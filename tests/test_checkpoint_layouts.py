@@ -403,6 +403,28 @@ def test_dcp_round_trip_between_windows_is_bitwise(tmp_path, inner: str) -> None
 
 
 @pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_dcp_given_the_inner_optimizer_may_make_its_state_with_its_zero_step(inner: str) -> None:
+    """The inner optimizer refuses a step() outside the accumulator's, except DCP's zero step that creates its state
+    (lr 0): a state dict taken of the inner optimizer itself (kept in scope, as an FSDP2 script may) before any
+    window works, changes no parameter, opens no window, and leaves what a state dict taken through the accumulator
+    leaves (DCP's zero step counts as a step of AdamW's, as in plain PyTorch)."""
+    batches = _batches(2 * N)
+    runs = []
+    for given in ("accumulator", "inner"):
+        model, opt = _build(inner)
+        before = [p.detach().clone() for p in model.parameters()]
+        state = get_optimizer_state_dict(model, opt if given == "accumulator" else opt.optimizer)
+        assert set(state) >= {"state", "param_groups"} and opt.micro_step == 0 and opt._micro is None
+        _assert_same(model, before)
+        assert all(p.grad is None for p in model.parameters())
+        _train(model, opt, batches)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    _assert_same(model, runs[0])
+    with pytest.raises(RuntimeError, match=r"step\(\) was called on the optimizer a GradAccumulator wraps"):
+        opt.optimizer.step()
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
 def test_dcp_mid_window_is_refused_and_changes_nothing(inner: str) -> None:
     batches = _batches(3 * N)
     expected = _uninterrupted(batches, inner)
