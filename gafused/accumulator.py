@@ -858,18 +858,20 @@ class GradAccumulator(torch.optim.Optimizer):
             other._release_published_of(self._managed_ids)
         opened = micro is None
         ended_before = None if opened else micro.ends_window
-        if opened:
-            micro = self._open_micro_batch(weight, w, bad, end_window)
-        elif end_window:
-            micro.ends_window = True
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
-        others_before = self._others_grads()
-        self._sync.before_backward(micro.ends_window)
-        self._hooks.start()
-        micro.folded_in_call = False
+        # From here on a failure (an interrupt too, which lands as any call returns) is undone below: the micro-batch
+        # this call opened or declared the last, and the wrapper's sync setting, go back to what they were.
         try:
+            if opened:
+                micro = self._open_micro_batch(weight, w, bad, end_window)
+            elif end_window:
+                micro.ends_window = True
+            micro.folded_in_call = False
+            others_before = self._others_grads()
+            self._hooks.start()
             try:
+                self._sync.before_backward(micro.ends_window)
                 torch.autograd.backward(loss, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
             finally:
                 self._sync.after_backward()
@@ -877,7 +879,7 @@ class GradAccumulator(torch.optim.Optimizer):
             self._fold_held_buckets(self._held_grads())
         except BaseException as error:
             self._hooks.stop(learn=False)
-            if micro.folded_in_call:
+            if micro is not None and micro.folded_in_call:
                 # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window.
                 self._discard_window()
                 _add_note(error, "gafused: the open accumulation window was discarded (micro_step is 0 again)")
@@ -892,7 +894,7 @@ class GradAccumulator(torch.optim.Optimizer):
                         "by the failed call and were dropped",
                     )
                 if opened:
-                    self._close_micro_batch()
+                    self._close_micro_batch()  # also one that failed while opening
                 else:
                     micro.ends_window = ended_before
             raise
@@ -1244,7 +1246,9 @@ class GradAccumulator(torch.optim.Optimizer):
             self._check_loss_scale()  # the fold reads it (a resumed window's scaler may have none yet)
         # Every check came before: what raises now is a fold that failed or was interrupted (an interrupt lands as
         # an op returns), after some buffers may have changed. Retrying would fold them twice.
-        with self._discarded_on_failure("step() failed while folding"):
+        # One block from the fold to the window's end: an interrupt landing between them would leave the micro-batch
+        # counted with its step() raised, and a counted window past its last micro-batch never ends.
+        with self._discarded_on_failure("step() failed while folding") as failure:
             if micro is not None:
                 self._fold_held_buckets(grads)
                 del grads
@@ -1255,13 +1259,13 @@ class GradAccumulator(torch.optim.Optimizer):
             else:
                 results = self._fold_all(grads, w, bad, last)
                 del grads  # the last micro-batch's gradients must not outlive the fold (memory)
-        self._micro_step += 1
-        self._stepped = False
-        self._unreduced_seen = self._sync.unreduced_fingerprint()
-        if elsewhere is not None:
-            self._weighted_elsewhere = None  # counted: what FSDP holds next is another micro-batch's
-        if last:
-            with self._discarded_on_failure("the window's end failed", unless_ended=True):
+            self._micro_step += 1
+            self._stepped = False
+            self._unreduced_seen = self._sync.unreduced_fingerprint()
+            if elsewhere is not None:
+                self._weighted_elsewhere = None  # counted: what FSDP holds next is another micro-batch's
+            if last:
+                failure.ending()
                 if self._global:
                     self._finish_across_ranks(self._reduced_window_sums(self._micro_step))
                 elif late:
@@ -1270,17 +1274,19 @@ class GradAccumulator(torch.optim.Optimizer):
                     self._finish(results)
 
     @contextlib.contextmanager
-    def _discarded_on_failure(self, what: str, unless_ended: bool = False) -> Iterator[None]:
+    def _discarded_on_failure(self, what: str, unless_ended: bool = False) -> Iterator[_OnFailure]:
         """Discard the window (with a note saying ``what``) if the block raises: a fold, or a window's end
-        (``unless_ended``: unless the window was finished or discarded before the error, ``micro_step`` 0 again).
-        A window's end kept after an interrupt at its host sync or a failed collective would sit past its last
-        micro-batch (a counted window would never end again) with its buffers perhaps scaled already."""
+        (``unless_ended``, or from the block's ``ending()`` on: unless the window was finished or discarded before
+        the error, ``micro_step`` 0 again). A window's end kept after an interrupt at its host sync or a failed
+        collective would sit past its last micro-batch (a counted window would never end again) with its buffers
+        perhaps scaled already."""
+        failure = _OnFailure(what, unless_ended)
         try:
-            yield
+            yield failure
         except BaseException as error:
-            if not (unless_ended and self._micro_step == 0):
+            if not (failure.unless_ended and self._micro_step == 0):
                 self._discard_window()
-                _add_note(error, f"gafused: {what}; the open accumulation window was discarded")
+                _add_note(error, f"gafused: {failure.what}; the open accumulation window was discarded")
             raise
 
     @torch._disable_dynamo
@@ -2175,11 +2181,11 @@ class GradAccumulator(torch.optim.Optimizer):
                 "inner optimizer's step raised",
             )
             raise  # the loss scaler stays as it was, as GradScaler.update() is not reached when scaler.step() raises
-        if self._grad_scaler is not None:
-            self._update_grad_scaler(found_inf)
         self._stepped = True
         self._micro_step = 0
-        try:
+        try:  # the window stepped: what fails from here on (the loss scaler's update, a post-hook) leaves it stepped
+            if self._grad_scaler is not None:
+                self._update_grad_scaler(found_inf)
             for post_hook in list(self._optimizer_step_post_hooks.values()):
                 post_hook(self, (), {})
         finally:
@@ -2717,6 +2723,18 @@ class _MicroBatch:
     folded_in_call: bool = False  # the running backward() folded something
     counted: float | torch.Tensor | None = None  # given, a CPU tensor as its value at the opening
     serial: int = 0  # which micro-batch, unique in the process
+
+
+@dataclass
+class _OnFailure:
+    """What ``_discarded_on_failure`` says of a failure in its block, and whether it keeps a window that ended."""
+
+    what: str
+    unless_ended: bool = False
+
+    def ending(self) -> None:
+        """The block goes on to end the window."""
+        self.what, self.unless_ended = "the window's end failed", True
 
 
 @dataclass

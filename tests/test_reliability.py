@@ -1557,3 +1557,99 @@ def test_a_mixed_dtype_accumulators_own_window_loads_back_whatever_its_sum():
     assert state["gafused"]["weight_sum"].item() > 1 / torch.finfo(torch.float32).tiny
     opt.load_state_dict(state)
     assert opt.micro_step == 2
+
+
+@pytest.mark.parametrize("end", ["counted", "end_window"])
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_an_interrupt_after_the_last_micro_batch_was_counted_does_not_leave_the_window_past_its_end(
+    backend, loop, end, monkeypatch
+):
+    """Ctrl-C lands in step() after the window's last micro-batch was folded and counted, before the window's end
+    began. Kept, the window sat past its last micro-batch with no note: a counted window never ended again (the
+    inner optimizer never stepped again, silently), a driven one took the next micro-batches into it."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3 if end == "counted" else None, backend=backend)
+    batches = _batches(6)
+    fingerprint = opt._sync.unreduced_fingerprint
+
+    def interrupted():
+        if opt.micro_step == 3:  # the line after the window's last micro-batch was counted
+            raise KeyboardInterrupt
+        return fingerprint()
+
+    monkeypatch.setattr(opt._sync, "unreduced_fingerprint", interrupted)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        for i, x in enumerate(batches[:3]):
+            micro_batch(opt, _loss(model, x), loop, weight=x.shape[0], end_window=end == "end_window" and i == 2)
+            opt.zero_grad()
+    monkeypatch.undo()
+    assert "window was discarded" in "".join(getattr(raised.value, "__notes__", []))
+    assert opt.micro_step == 0 and opt._micro is None and not opt.stepped
+    opt.zero_grad()
+    for i, x in enumerate(batches[3:]):
+        micro_batch(opt, _loss(model, x), loop, weight=x.shape[0], end_window=end == "end_window" and i == 2)
+        opt.zero_grad()
+    assert opt.stepped
+    _truth(reference, [batches[3:]])
+    _assert_same(model, reference)
+
+
+def test_an_interrupt_in_backward_before_autograd_runs_leaves_no_micro_batch_open(backend, monkeypatch):
+    """Ctrl-C lands in backward() after it opened the micro-batch, before autograd ran: nothing was folded, so the
+    accumulator must be as before the call. Kept open (no note), the micro-batch took the next batch of the same
+    weight into it, with the interrupted call's end_window: the window ended a batch early, silently."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None, backend=backend)
+    batches = [torch.randn(3, 5, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(6)]
+    start = opt._hooks.start
+
+    def interrupted():
+        monkeypatch.setattr(opt._hooks, "start", start)
+        raise KeyboardInterrupt
+
+    for x in batches[:2]:
+        opt.backward(_loss(model, x), weight=3)
+        opt.step()
+    monkeypatch.setattr(opt._hooks, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.backward(_loss(model, batches[2]), weight=3, end_window=True)  # declared the window's last
+    assert opt._micro is None and opt.micro_step == 2
+    for i, x in enumerate(batches[3:]):  # the interrupted batch skipped: the window ends at the next declared end
+        opt.backward(_loss(model, x), weight=3, end_window=i == 2)
+        opt.step()
+        assert opt.stepped == (i == 2)
+    _truth(reference, [batches[:2] + batches[3:]])
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize("end", ["counted", "flush"])
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_an_interrupt_updating_the_loss_scaler_after_the_inner_step_does_not_claim_a_discarded_window(
+    backend, loop, end, monkeypatch
+):
+    """Ctrl-C lands in the loss scaler's update, after the inner step ran: the step stands, so the error must not
+    say the window was discarded (nor leave stepped False, which an `if opt.stepped: scheduler.step()` reads)."""
+    model, reference = _model(), _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    opt = GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2 if end == "counted" else None, backend=backend,
+        grad_scaler=scaler,
+    )
+    batches = _batches(2)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        for x in batches:
+            loss = _loss(model, x)
+            micro_batch(opt, loss if loop == "backward" else scaler.scale(loss), loop, weight=x.shape[0])
+            if loop == "backward" or opt.micro_step == 1:
+                monkeypatch.setattr(torch, "_amp_update_scale_", interrupted)
+        if end == "flush":
+            opt.flush()
+    monkeypatch.undo()
+    _truth(reference, [batches])
+    _assert_same(model, reference)  # the inner step ran
+    assert not any("discarded" in note for note in getattr(raised.value, "__notes__", []))
+    assert opt.stepped and opt.micro_step == 0
