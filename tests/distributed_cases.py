@@ -737,6 +737,7 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_fsdp_split_own_losses(rank))
     said.update(_split_left_out_micro_batch(rank))
     said.update(_fsdp_sync_off_auxiliary_loss(rank))
+    said.update(_fsdp_split_untouched_gradients(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
     said.update(_fsdp_failed_backward_over_held_gradients(rank))
     return said
@@ -902,6 +903,30 @@ def _fsdp_sync_off_auxiliary_loss(rank: int) -> dict[str, str]:
     said = {"fsdp sync off auxiliary loss step()": _said(ValueError, second.step)}
     said["fsdp sync off auxiliary loss step(weight)"] = _said(ValueError, second.step, weight=x.shape[0])
     said["fsdp sync off auxiliary loss micro_step"] = str(second.micro_step)
+    return said
+
+
+def _fsdp_split_untouched_gradients(rank: int) -> dict[str, str]:
+    """FSDP2, two accumulators over one model: the second's p.grad from its own loss.backward(), then the first's
+    backward(loss, weight=w) of a loss that reaches the first layer alone gave the second nothing, so its step()
+    counts its own backward, unweighted (1). A DTensor gradient's version is its local tensor's: read from the
+    wrapper before that backward and from the local tensor after it (or the other way round), the untouched
+    gradients looked changed and the step() was refused."""
+    import gafused
+
+    model = _wrap("fsdp", rank)
+    params = list(model.parameters())
+    first = gafused.GradAccumulator(torch.optim.SGD(params[:2], lr=LR), N, model=model)
+    second = gafused.GradAccumulator(torch.optim.SGD(params[2:], lr=LR), N, model=model)
+    x, _ = micro_batch(rank, 0, 0)
+    first_loss, second_loss = _own_losses(model, x)
+    second_loss.backward()
+    first.backward(first_loss, weight=x.shape[0])
+    first.step()
+    said = {"fsdp split untouched gradients step()": _said(ValueError, second.step)}
+    said["fsdp split untouched gradients micro_step"] = str(second.micro_step)
+    del first, second
+    gc.collect()
     return said
 
 

@@ -2860,6 +2860,37 @@ def test_the_second_accumulators_own_backward_refuses_what_the_first_gave_at_ano
     _assert_split_equals_one(whole, split, one, first, second)
 
 
+@pytest.mark.parametrize("first_weight", [5, None])
+def test_a_later_backward_of_the_seconds_micro_batch_holds_what_the_first_gave_to_the_micro_batchs_weight(
+    backend, first_weight
+):
+    """second.backward(loss, weight=5) opens its micro-batch; first.backward(loss, weight=w) then gives the second's
+    parameters more gradients, which the second's next backward of that micro-batch (no weight: the micro-batch's, 5)
+    adds into and folds at 5. With w = 5 both count the micro-batch alike: taken. Unweighted (counted 1 there), it is
+    refused before anything changes, naming the micro-batch's 5 as the weight given."""
+    split, first, second = _split_accumulators(backend)
+    ((x, y),) = _data([3])
+    hidden = torch.tanh(split[0](x)).detach()
+    second.backward(split[2](hidden).square().mean(), weight=5)  # the second's parameters only
+    first.backward(_loss(split, x, y), weight=first_weight)
+    first.step()
+    later = split[2](hidden).abs().mean()
+    if first_weight is None:
+        held = [param.grad for param in list(split.parameters())[2:]]
+        versions = [grad._version for grad in held]
+        before = [buffer.data.clone() for buffer in second.buffers]
+        refused = r"this backward\(\) would fold.*weight=None\).*own backward\(\) gave 5, so drop them.*got 5;"
+        with pytest.raises(ValueError, match=refused):
+            second.backward(later)
+        assert all(p.grad is g for p, g in zip(list(split.parameters())[2:], held, strict=True))
+        assert [grad._version for grad in held] == versions
+        assert all(map(torch.equal, [b.data for b in second.buffers], before))
+        return
+    second.backward(later)
+    second.step()
+    assert first.micro_step == 1 and second.micro_step == 1
+
+
 @pytest.mark.parametrize("later", [7, 5])
 @pytest.mark.parametrize("loop", ["step", "backward"])
 def test_gradients_two_micro_batches_of_the_first_accumulator_gave_are_refused_at_every_weight(backend, loop, later):
@@ -2889,6 +2920,76 @@ def test_gradients_two_micro_batches_of_the_first_accumulator_gave_are_refused_a
     first.step()
     second.step(weight=2)
     assert second.micro_step == 1
+
+
+def test_a_later_backward_of_the_first_accumulators_micro_batch_keeps_the_conflict_its_first_backward_made(backend):
+    """The second leaves a micro-batch out without zero_grad(): first.backward(loss, weight=7) adds into what
+    first.backward(loss, weight=5) gave, which no weight counts as one micro-batch. Another backward of the first's
+    micro-batch (an auxiliary loss, weight 7 as its first gave) adds into them once more: still both micro-batches,
+    refused at every weight (the last backward's record alone took 7), nothing changed."""
+    split, first, second = _split_accumulators(backend, 3)
+    (x, y), (x2, y2) = _data([3, 4])
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    first.backward(_loss(split, x2, y2), weight=7)
+    first.backward(0.1 * split(x2).abs().mean())
+    first.step()
+    held = [param.grad.clone() for param in list(split.parameters())[2:]]
+    for weight in (None, 5, 7):
+        with pytest.raises(ValueError, match=r"more than one micro-batch of other accumulators.*p\.grad = None"):
+            second.step(weight=weight)
+    assert second.micro_step == 0
+    assert all(map(torch.equal, [param.grad for param in list(split.parameters())[2:]], held))
+
+
+def test_gradients_two_micro_batches_gave_stay_refused_once_the_later_ones_are_dropped_alone(backend):
+    """first.backward(loss, weight=5) gives the second's weight and bias gradients; the second leaves the micro-batch
+    out without zero_grad(), and first.backward(loss, weight=7, inputs=...) adds into the weight's alone. Dropping the
+    weight's gradient leaves the bias's, the first micro-batch's: the record of the two still finds it, so step()
+    without 5 is refused (it found none and took any weight); dropped too, the second takes its own."""
+    split, first, second = _split_accumulators(backend, 3)
+    (x, y), (x2, y2) = _data([3, 4])
+    first.backward(_loss(split, x, y), weight=5)
+    first.step()
+    first.backward(_loss(split, x2, y2), weight=7, inputs=[*split[0].parameters(), split[2].weight])
+    first.step()
+    split[2].weight.grad = None
+    for weight in (None, 7):
+        with pytest.raises(ValueError, match=r"more than one micro-batch of other accumulators.*p\.grad = None"):
+            second.step(weight=weight)
+    assert second.micro_step == 0
+    split[2].bias.grad = None
+    _loss(split, x2, y2).backward(inputs=list(split[2].parameters()))
+    second.step(weight=2)  # its own plain backward's gradients: any weight
+    assert second.micro_step == 1
+
+
+def test_gradients_two_other_accumulators_gave_at_different_weights_are_refused_at_every_weight(backend):
+    """Three accumulators over one model: the first's backward(loss, weight=5) and the second's backward(loss,
+    weight=7) each give the third's parameters gradients, which hold both micro-batches summed. No weight counts them
+    as one: refused at both weights (7, the latest, was taken), nothing changed. At the same weight both backward
+    calls count the one micro-batch alike: taken."""
+    for weights in ((5, 7), (5, 5)):
+        split = tanh_mlp(seed=0, dtype=torch.float64)
+        first, second, third = (
+            GradAccumulator(torch.optim.SGD(params, lr=0.1), 2, backend=backend)
+            for params in ([split[0].weight], [split[0].bias], list(split[2].parameters()))
+        )
+        ((x, y),) = _data([3])
+        first.backward(_loss(split, x, y), weight=weights[0], inputs=[split[0].weight, *split[2].parameters()])
+        second.backward(_loss(split, x, y), weight=weights[1], inputs=[split[0].bias, *split[2].parameters()])
+        first.step()
+        second.step()
+        if weights[0] != weights[1]:
+            held = [param.grad.clone() for param in split[2].parameters()]
+            for weight in weights:
+                with pytest.raises(ValueError, match=r"more than one micro-batch of other accumulators"):
+                    third.step(weight=weight)
+            assert third.micro_step == 0
+            assert all(map(torch.equal, [param.grad for param in split[2].parameters()], held))
+        else:
+            third.step(weight=weights[0])
+            assert third.micro_step == 1
 
 
 def test_a_cpu_weight_tensor_changed_between_two_backward_calls_of_a_micro_batch_counts_its_first_value(backend):

@@ -415,6 +415,10 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert f"backward(loss, weight={micro_batch_size(rank)})" in refused and "(got None;" in refused, refused
         assert said["fsdp sync off auxiliary loss step(weight)"] == "no error"
         assert said["fsdp sync off auxiliary loss micro_step"] == "1"
+        # The first's backward reached the first layer alone: the second's own gradients count 1, as its backward did.
+        untouched = said["fsdp split untouched gradients step()"]
+        assert untouched == "no error", untouched
+        assert said["fsdp split untouched gradients micro_step"] == "1"
         # A failed backward() under FSDP2 drops the held gradients FSDP added into in place, and says how many.
         failed = said["fsdp failed backward over held gradients"]
         assert "hook failed" in failed and "4 gradient(s) held from an earlier loss.backward()" in failed, failed
