@@ -950,6 +950,31 @@ def test_the_wrapped_optimizer_stepped_directly_is_refused_while_the_accumulator
     assert not all(map(torch.equal, model.parameters(), after))
 
 
+def test_the_wrapped_optimizer_stays_refused_after_its_step_inside_the_accumulator_failed(backend):
+    """The inner optimizer's step fails at a window's end (a step pre-hook of its own raised): the accumulator's step
+    of it is over, so the wrapped optimizer stepped directly afterwards is refused as before, nothing changed."""
+    model = tanh_mlp(seed=0, dtype=torch.float64)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GradAccumulator(inner, 1, backend=backend)
+    failing = [True]
+
+    def fail_once(optimizer, args, kwargs):
+        if failing and failing.pop():
+            raise RuntimeError("inner step failed")
+
+    inner.register_step_pre_hook(fail_once)
+    (x,) = _batches(1)
+    opt.backward(_loss(model, x))
+    with pytest.raises(RuntimeError, match="inner step failed"):
+        opt.step()
+    before = [param.detach().clone() for param in model.parameters()]
+    model.zero_grad()
+    _loss(model, x).backward()
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\) was called on the optimizer a GradAccumulator wraps"):
+        inner.step()
+    assert all(map(torch.equal, model.parameters(), before))
+
+
 def test_grad_scaler_step_of_an_accumulator_built_without_it_is_refused(backend):
     """The AMP recipe kept as it was, scaler.step(opt) on each micro-batch, without grad_scaler=: the scaler skips the
     step() of a micro-batch that overflowed, which zero_grad() then drops, and every later window shifts by one
