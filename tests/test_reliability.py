@@ -975,6 +975,20 @@ def test_the_wrapped_optimizer_stays_refused_after_its_step_inside_the_accumulat
     assert all(map(torch.equal, model.parameters(), before))
 
 
+def test_a_function_of_the_callers_named_as_grad_scalers_is_not_taken_for_it(backend):
+    """GradScaler.step(opt) is told by its module as well as its function's name: a training loop's own helper that
+    happens to share the name steps the accumulator as usual."""
+    model = tanh_mlp(seed=0, dtype=torch.float64)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+
+    def _maybe_opt_step(optimizer):
+        optimizer.step()
+
+    _loss(model, _batches(1)[0]).backward()
+    _maybe_opt_step(opt)
+    assert opt.micro_step == 1
+
+
 def test_grad_scaler_step_of_an_accumulator_built_without_it_is_refused(backend):
     """The AMP recipe kept as it was, scaler.step(opt) on each micro-batch, without grad_scaler=: the scaler skips the
     step() of a micro-batch that overflowed, which zero_grad() then drops, and every later window shifts by one
