@@ -1671,7 +1671,9 @@ def test_an_interrupt_updating_the_loss_scaler_after_the_inner_step_does_not_cla
     model, reference = _model(), _model()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     opt = GradAccumulator(
-        torch.optim.SGD(model.parameters(), lr=0.1), 2 if end == "counted" else None, backend=backend,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        2 if end == "counted" else None,
+        backend=backend,
         grad_scaler=scaler,
     )
     batches = _batches(2)
@@ -1692,3 +1694,78 @@ def test_an_interrupt_updating_the_loss_scaler_after_the_inner_step_does_not_cla
     _assert_same(model, reference)  # the inner step ran
     assert not any("discarded" in note for note in getattr(raised.value, "__notes__", []))
     assert opt.stepped and opt.micro_step == 0
+
+
+@pytest.mark.parametrize("at", ["return", "window_scale"])
+def test_an_interrupt_inside_opening_the_micro_batch_leaves_none_open(backend, at, monkeypatch):
+    """Ctrl-C lands while backward() opens its micro-batch (as the opening returns, or in a call it makes): the
+    interrupt itself reaches the caller, no micro-batch stays open, and the windows after it are exact."""
+    model, reference = _model(), _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), None, backend=backend)
+    batches = [torch.randn(3, 5, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(6)]
+    for x in batches[:2]:
+        opt.backward(_loss(model, x), weight=3)
+        opt.step()
+    loss = _loss(model, batches[2])
+    if at == "return":  # as the opening returns: after it set the micro-batch up, before backward() goes on
+
+        def local(frame, event, arg):
+            if event == "return":
+                raise KeyboardInterrupt
+            return local
+
+        def tracer(frame, event, arg):
+            return local if event == "call" and frame.f_code is GradAccumulator._open_micro_batch.__code__ else None
+
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                opt.backward(loss, weight=3, end_window=True)
+        finally:
+            sys.settrace(previous)
+    else:
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(opt, "_window_scale", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            opt.backward(loss, weight=3, end_window=True)
+        monkeypatch.undo()
+    assert opt._micro is None and opt.micro_step == 2
+    for i, x in enumerate(batches[3:]):
+        opt.backward(_loss(model, x), weight=3, end_window=i == 2)
+        opt.step()
+        assert opt.stepped == (i == 2)
+    _truth(reference, [batches[:2] + batches[3:]])
+    _assert_same(model, reference)
+
+
+def test_an_interrupt_turning_the_wrappers_sync_on_still_hands_it_back(backend, monkeypatch):
+    """Ctrl-C lands as backward() turns the wrapper's gradient sync on for a window's last micro-batch (FSDP2's
+    set_requires_gradient_sync(True) returning): the setting it took is put back (after_backward), or the user's
+    sync-off setting would be lost for every later window; and no micro-batch stays open."""
+    model = _model()
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2, backend=backend)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    opt.backward(_loss(model, x), weight=3)
+    opt.step()
+    setting = {"sync": False}
+    taken = []
+
+    def before_backward(last):
+        taken.append(setting["sync"])
+        setting["sync"] = True
+        raise KeyboardInterrupt
+
+    def after_backward():
+        if taken:
+            setting["sync"] = taken.pop()
+
+    monkeypatch.setattr(opt._sync, "before_backward", before_backward)
+    monkeypatch.setattr(opt._sync, "after_backward", after_backward)
+    with pytest.raises(KeyboardInterrupt):
+        opt.backward(_loss(model, x), weight=3)
+    assert setting["sync"] is False
+    assert opt._micro is None and opt.micro_step == 1
