@@ -353,6 +353,11 @@ class GradAccumulator(torch.optim.Optimizer):
         self._micro_step: int = 0
         self._stepped: bool = False
         self._skipped_steps: int = 0
+        # Windows ended (stepped or skipped) since the accumulator was built or loaded: compared across ranks with
+        # the settings at each window's end, so a window whose end failed on some ranks only, after its collectives
+        # (a step pre-hook or the inner step raising there), is seen at the next one instead of leaving the replicas
+        # apart for good.
+        self._windows_ended = 0
         self._grad_norm: torch.Tensor | None = None
         self._weight_sum: torch.Tensor | None = None  # float64, home device
         self._rank_mismatch: torch.Tensor | None = None  # bool, home device: ranks disagree on the window
@@ -1688,11 +1693,12 @@ class GradAccumulator(torch.optim.Optimizer):
         flag per bucket) over the ranks. Buckets are cut from each rank's own elements, so under FSDP2 (uneven shards)
         their number differs across ranks: the flags then stop at the parameters, whose number every rank shares.
         The codes are of the settings a window's end uses that setters change (``max_grad_norm``,
-        ``normalization``): the check at construction cannot see them changed on some ranks only."""
+        ``normalization``), which the check at construction cannot see changed on some ranks only, and of the number
+        of windows ended since the accumulator was built or loaded."""
         flags = [float(had) for group in self._groups for had in group.had_grad]
         if self._sync.reduces_buckets:
             flags += [float(key in self._late) for key in self._reduce_order]
-        codes = distributed.settings_codes((self.max_grad_norm, self.normalization))
+        codes = distributed.settings_codes((self.max_grad_norm, self.normalization, self._windows_ended))
         # Pinned and non-blocking on a GPU: a copy from pageable memory would wait for the device (a host sync).
         host = torch.tensor(
             [0.0, 0.0, 0.0, 0.0, *(value for code in codes for value in (code, code * code)), *flags],
@@ -1709,11 +1715,15 @@ class GradAccumulator(torch.optim.Optimizer):
         return self._sync.reduce_window(local)
 
     def _settings_differ(self, call: str) -> str:
-        """What a window's end across ranks says when the ranks' ``max_grad_norm`` or ``normalization`` differ."""
+        """What a window's end across ranks says when the ranks' ``max_grad_norm``, ``normalization`` or number of
+        windows ended differ."""
         return (
             f"{call}: the ranks end this window with different max_grad_norm or normalization (this rank: "
             f"max_grad_norm={self.max_grad_norm!r}, normalization={self.normalization!r}): changed through a setter on "
-            "some ranks only, they would clip or scale the replicas apart; set them alike on every rank"
+            "some ranks only, they would clip or scale the replicas apart; set them alike on every rank. Or after a "
+            f"different number of windows (this rank: {self._windows_ended} since it was built or loaded): an earlier "
+            "window's end failed on some ranks only, after its collectives (a step pre-hook or the inner step "
+            "raising there), and the replicas are apart; resume every rank from the same checkpoint"
         )
 
     def _finish_across_ranks(self, sums: torch.Tensor) -> None:
@@ -2183,6 +2193,7 @@ class GradAccumulator(torch.optim.Optimizer):
             raise  # the loss scaler stays as it was, as GradScaler.update() is not reached when scaler.step() raises
         self._stepped = True
         self._micro_step = 0
+        self._windows_ended += 1
         try:  # the window stepped: what fails from here on (the loss scaler's update, a post-hook) leaves it stepped
             if self._grad_scaler is not None:
                 self._update_grad_scaler(found_inf)
@@ -2228,6 +2239,7 @@ class GradAccumulator(torch.optim.Optimizer):
         if self._grad_scaler is not None and found_inf is not None:
             self._update_grad_scaler(found_inf)
         self._skipped_steps += 1
+        self._windows_ended += 1
         self._discard_window()
 
     def _sum_beyond_scale(self) -> torch.Tensor:
@@ -2523,6 +2535,7 @@ class GradAccumulator(torch.optim.Optimizer):
         self._micro = None
         self._micro_step = micro_step
         self._skipped_steps = window["skipped_steps"]
+        self._windows_ended = 0  # every rank loads a checkpoint of the same point
         self._weight_sum = weight_sum
         self._bad_weight = bad_weight
         # The rest of the window's losses are scaled by this accumulator's scaler (or not at all): its scale, read

@@ -740,6 +740,38 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_fsdp_split_untouched_gradients(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
     said.update(_fsdp_failed_backward_over_held_gradients(rank))
+    said.update(_window_end_failed_on_one_rank(rank))
+    return said
+
+
+def _window_end_failed_on_one_rank(rank: int) -> dict[str, str]:
+    """A step pre-hook raises on rank 0 alone at the first window's end, after its collectives: rank 0 discards the
+    window, rank 1 steps, and the loop goes on. The replicas are apart: the next window's end says so on every rank
+    (they ended different numbers of windows), where it used to step on with no error."""
+    import gafused
+
+    said: dict[str, str] = {}
+    window = [0]
+
+    def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if rank == 0 and window[0] == 0:
+            raise RuntimeError("pre-hook failed")
+
+    for kind in ("ddp", "fsdp"):
+        model = _wrap(kind, rank)
+        opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=LR), N, model=model)
+        opt.register_step_pre_hook(pre_hook)
+        for window[0] in range(2):
+            for micro in range(N):
+                x, y = micro_batch(rank, window[0], micro)
+                opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+                message = _said(RuntimeError, opt.step)
+                if message != "no error":
+                    said[f"{kind} window end failed on one rank, window {window[0]}"] = message
+                opt.zero_grad()
+        said[f"{kind} window end failed on one rank, micro_step"] = str(opt.micro_step)
+        del opt
+        gc.collect()
     return said
 
 

@@ -424,6 +424,13 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "hook failed" in failed and "4 gradient(s) held from an earlier loss.backward()" in failed, failed
         assert said["fsdp failed backward over held gradients kept"] == "True True dropped dropped dropped dropped"
         assert said["fsdp failed backward over held gradients micro_step"] == "0"
+        for kind in ("ddp", "fsdp"):  # one rank discarded a window the other stepped: the next end says so on both
+            failed = said.get(f"{kind} window end failed on one rank, window 0", "no error")
+            assert ("pre-hook failed" in failed) == (rank == 0), failed
+            refused = said[f"{kind} window end failed on one rank, window 1"]
+            assert "after a different number of windows" in refused, refused
+            assert f"this rank: {rank} since it was built or loaded" in refused, refused
+            assert said[f"{kind} window end failed on one rank, micro_step"] == "0"
         for kind in ("ddp", "fsdp"):  # two micro-batches in the second's gradients: no weight counts them as one
             refusals = [message for case, message in said.items() if case.startswith(f"{kind} left-out micro-batch s")]
             assert len(refusals) == (2 if rank == 0 else 3), refusals
