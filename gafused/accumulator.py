@@ -1718,12 +1718,13 @@ class GradAccumulator(torch.optim.Optimizer):
         """What a window's end across ranks says when the ranks' ``max_grad_norm``, ``normalization`` or number of
         windows ended differ."""
         return (
-            f"{call}: the ranks end this window with different max_grad_norm or normalization (this rank: "
-            f"max_grad_norm={self.max_grad_norm!r}, normalization={self.normalization!r}): changed through a setter on "
-            "some ranks only, they would clip or scale the replicas apart; set them alike on every rank. Or after a "
-            f"different number of windows (this rank: {self._windows_ended} since it was built or loaded): an earlier "
-            "window's end failed on some ranks only, after its collectives (a step pre-hook or the inner step "
-            "raising there), and the replicas are apart; resume every rank from the same checkpoint"
+            f"{call}: the ranks end this window after a different number of windows (this rank: {self._windows_ended} "
+            "since it was built or loaded), or with different max_grad_norm or normalization (this rank: "
+            f"max_grad_norm={self.max_grad_norm!r}, normalization={self.normalization!r}). The first: an earlier "
+            "window's end failed on some ranks only, after its collectives (a step pre-hook or the inner step raising "
+            "there), and the replicas are apart; resume every rank from the same checkpoint. The second: changed "
+            "through a setter on some ranks only, they would clip or scale the replicas apart; set them alike on "
+            "every rank"
         )
 
     def _finish_across_ranks(self, sums: torch.Tensor) -> None:
@@ -2236,10 +2237,10 @@ class GradAccumulator(torch.optim.Optimizer):
     def _skip_window(self, found_inf: torch.Tensor | None) -> None:
         """Skip the inner step of a window whose finished gradient is not finite; the loss scaler backs off
         (``found_inf`` None: it is left as it is)."""
+        self._skipped_steps += 1
+        self._windows_ended += 1  # before what may fail on one rank only: every rank skipped this window
         if self._grad_scaler is not None and found_inf is not None:
             self._update_grad_scaler(found_inf)
-        self._skipped_steps += 1
-        self._windows_ended += 1
         self._discard_window()
 
     def _sum_beyond_scale(self) -> torch.Tensor:

@@ -1769,3 +1769,24 @@ def test_an_interrupt_turning_the_wrappers_sync_on_still_hands_it_back(backend, 
         opt.backward(_loss(model, x), weight=3)
     assert setting["sync"] is False
     assert opt._micro is None and opt.micro_step == 1
+
+
+def test_a_skipped_window_whose_loss_scaler_update_is_interrupted_still_counts_as_skipped(backend, monkeypatch):
+    """A window with a non-finite gradient is skipped on every rank alike; an interrupt in the loss scaler's update
+    that follows (on one rank, say) must not leave that rank counting one window fewer: the count of windows ended
+    goes across ranks with each window's end, and would refuse every later one."""
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, backend=backend, grad_scaler=scaler)
+    x = _batches(1)[0]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "_amp_update_scale_", interrupted)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        opt.backward(_loss(model, x) * float("nan"), weight=1)
+        opt.step()
+    monkeypatch.undo()
+    assert "window was discarded" in "".join(getattr(raised.value, "__notes__", []))
+    assert opt.skipped_steps == 1 and opt._windows_ended == 1 and opt.micro_step == 0 and not opt.stepped
