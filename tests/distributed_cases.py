@@ -1596,6 +1596,14 @@ def _cross_layout_checkpoint(rank: int) -> dict[str, bool]:
     return results
 
 
+def _recorded(results: dict[str, Any], name: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """``results[name] = run(*args, **kwargs)``, or the error it raised, which the test reports by name."""
+    try:
+        results[name] = run(*args, **kwargs)
+    except Exception as error:
+        results[name] = {"error": f"{type(error).__name__}: {error}"}
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -1605,46 +1613,24 @@ def _rank(rank: int, port: int, out: str) -> None:
     warnings.filterwarnings("ignore", message=".*FSDP.*")
     results: dict[str, Any] = {}
     for name, case in CASES.items():
-        try:
-            results[name] = run_case(rank, **case)
-        except Exception as error:  # reported by the test, named
-            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        _recorded(results, name, run_case, rank, **case)
     results["misuse"] = _misuse(rank)
-    try:
-        results["old layout checkpoint"] = run_old_layout_checkpoint(rank)
-    except Exception as error:  # reported by the test, named
-        results["old layout checkpoint"] = {"error": f"{type(error).__name__}: {error}"}
-    try:
-        results["old layout refusals"] = run_old_layout_refusals(rank)
-    except Exception as error:  # reported by the test, named
-        results["old layout refusals"] = {"error": f"{type(error).__name__}: {error}"}
+    _recorded(results, "old layout checkpoint", run_old_layout_checkpoint, rank)
+    _recorded(results, "old layout refusals", run_old_layout_refusals, rank)
     for name in IRREGULAR:
-        try:
-            results[f"irregular: {name}"] = run_irregular(rank, name)
-        except Exception as error:  # reported by the test, named
-            results[f"irregular: {name}"] = {"error": f"{type(error).__name__}: {error}"}
-    try:
-        results["irregular interrupted"] = run_irregular(rank, "shared in two reentrant checkpoints", interrupted=True)
-    except Exception as error:  # reported by the test, named
-        results["irregular interrupted"] = {"error": f"{type(error).__name__}: {error}"}
+        _recorded(results, f"irregular: {name}", run_irregular, rank, name)
+    _recorded(
+        results, "irregular interrupted", run_irregular, rank, "shared in two reentrant checkpoints", interrupted=True
+    )
     results["batchnorm"], results["batchnorm trace"] = {}, {}
     for accumulate in ("gafused", "no_sync"):
         trace: list[torch.Tensor] = []
         results["batchnorm"][accumulate] = run_batchnorm(rank, accumulate, trace)
         results["batchnorm trace"][accumulate] = trace
     for case in SYNC_OFF_RECORDS:
-        try:
-            results[f"sync off records: {case}"] = run_sync_off_records(rank, case)
-        except Exception as error:  # reported by the test, named
-            results[f"sync off records: {case}"] = {"error": f"{type(error).__name__}: {error}"}
-    try:
-        results["sync off way out"] = run_sync_off_way_out(rank)
-    except Exception as error:  # reported by the test, named
-        results["sync off way out"] = {"error": f"{type(error).__name__}: {error}"}
-    try:
-        results["fsdp fp16 overflow"] = run_fp16_overflow(rank)
-    except Exception as error:  # reported by the test, named
-        results["fsdp fp16 overflow"] = {"error": f"{type(error).__name__}: {error}"}
+        _recorded(results, f"sync off records: {case}", run_sync_off_records, rank, case)
+    _recorded(results, "sync off way out", run_sync_off_way_out, rank)
+    _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)
     if rank == 0:
