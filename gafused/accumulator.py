@@ -794,7 +794,10 @@ class GradAccumulator(torch.optim.Optimizer):
         If backward fails after this call folded gradients, the open window cannot be separated from the partial
         micro-batch: it is discarded (``micro_step`` back to 0) and the error is raised. If it fails before folding
         anything (autograd refused the graph, say), the gradients it left are dropped and the window, with what
-        earlier ``backward`` calls of the micro-batch folded, is as it was.
+        earlier ``backward`` calls of the micro-batch folded, is as it was. Under FSDP2 the window is discarded as
+        soon as FSDP reduced a gradient of the call or holds the window's unreduced (what one rank's buckets of its
+        shards folded by then, another's may not have), and the note says to call ``model.reset_iter_state()``
+        (FSDP's recovery), without which ``backward()`` and ``step()`` refuse.
 
         Args:
             loss: the micro-batch's loss (mean-reduced as usual; never divided by N): a one-element tensor that
@@ -813,6 +816,7 @@ class GradAccumulator(torch.optim.Optimizer):
             inputs: as in ``torch.autograd.backward``.
         """
         self._check_not_stepping("backward()")
+        self._sync.check_backward_recovered("backward()")
         ops.check_bool(end_window, "end_window")
         _check_loss(loss)
         inputs = _check_autograd_options(retain_graph, create_graph, inputs)
@@ -865,6 +869,7 @@ class GradAccumulator(torch.optim.Optimizer):
         ended_before = None if opened else micro.ends_window
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
+        autograd_ran = False
         # From here on a failure (an interrupt too, which lands as any call returns) is undone below: the micro-batch
         # this call opened or declared the last, and the wrapper's sync setting, go back to what they were.
         try:
@@ -877,6 +882,7 @@ class GradAccumulator(torch.optim.Optimizer):
             self._hooks.start()
             try:
                 self._sync.before_backward(micro.ends_window)
+                autograd_ran = True
                 torch.autograd.backward(loss, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
             finally:
                 self._sync.after_backward()
@@ -884,10 +890,21 @@ class GradAccumulator(torch.optim.Optimizer):
             self._fold_held_buckets(self._held_grads())
         except BaseException as error:
             self._hooks.stop(learn=False)
-            if micro is not None and micro.folded_in_call:
-                # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window.
+            lost = autograd_ran and micro is not None and self._sync.loses_window(self._hooks.landed_any())
+            if micro is not None and (micro.folded_in_call or lost):
+                # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window; or
+                # (FSDP2) it may be on another rank, which discards the window.
                 self._discard_window()
-                _add_note(error, "gafused: the open accumulation window was discarded (micro_step is 0 again)")
+                _add_note(
+                    error,
+                    "gafused: the open accumulation window was discarded (micro_step is 0 again)"
+                    + (
+                        ""
+                        if not lost
+                        else ": FSDP2 had reduced gradients of this backward or held the window's unreduced, so every "
+                        "rank whose backward failed at this point discards it, whatever its own buckets folded"
+                    ),
+                )
             else:
                 # Nothing of this call was folded: drop the gradients it left behind, so the window (and the open
                 # micro-batch, if an earlier backward() folded into it) is exactly as before the call.
@@ -902,6 +919,9 @@ class GradAccumulator(torch.optim.Optimizer):
                     self._close_micro_batch()  # also one that failed while opening
                 else:
                     micro.ends_window = ended_before
+            advice = self._sync.failed_backward_advice() if autograd_ran else None
+            if advice is not None:
+                _add_note(error, f"gafused: {advice}")
             raise
         micro.folded = micro.folded or micro.folded_in_call
         if others_before:
@@ -1104,6 +1124,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "passed by keyword: step(weight=w)"
             )
         ops.check_bool(end_window, "end_window")
+        self._sync.check_backward_recovered("step()")
         self._check_not_unscaled()
         if closure is None and _called_from(_DCP_MODULE, "_init_optim_state"):
             self._init_inner_state_for_dcp()

@@ -165,6 +165,19 @@ class Sync:
         """Raise if gradients of the window are still held back by the wrapper at its last micro-batch."""
         return None
 
+    def loses_window(self, landed: bool) -> bool:
+        """Whether a backward that failed once autograd ran discards the open window whatever it folded on this rank
+        (``landed``: a gradient of it reached the buffers' hooks), so that every rank failing there does alike."""
+        return False
+
+    def failed_backward_advice(self) -> str | None:
+        """What to do before the next forward after a backward that failed once autograd ran (None: nothing)."""
+        return None
+
+    def check_backward_recovered(self, what: str) -> None:
+        """Raise (``what`` names the call) if the wrapper is still inside a backward that failed."""
+        return None
+
     def holds_unreduced(self) -> bool:
         """Whether the wrapper holds gradients of the window outside the buffers, not reduced yet (FSDP2 after
         ``set_requires_gradient_sync(False)``)."""
@@ -515,6 +528,43 @@ class FSDPSync(Sync):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
+
+    def loses_window(self, landed: bool) -> bool:
+        # Each rank cuts its buckets from its own shards, so a backward failing at one point on every rank may have
+        # completed a bucket (folded it into the window) on one rank and not on another. FSDP reduces and hands over
+        # the same parameters' gradients on every rank (empty shards too) and holds the same ones unreduced; what it
+        # holds may hold part of the failed backward, and its reset_iter_state() does not drop them.
+        return landed or self.holds_unreduced()
+
+    def _mid_backward(self) -> bool:
+        # FSDP queues its backward's final callback (which reduces what is left, reshards and resets its state) as
+        # the first of its modules' backward starts; a backward that fails never runs it, and FSDP's next backward
+        # neither queues it again nor reduces anything.
+        context = getattr(self._model._get_fsdp_state(), "_state_ctx", None)
+        return bool(getattr(context, "post_backward_final_callback_queued", False))
+
+    def _recovery(self) -> str:
+        if hasattr(self._model, "reset_iter_state"):
+            return (
+                "call model.reset_iter_state() on the root fully_shard module (FSDP2's recovery after a failed "
+                "backward) and run the next forward after it"
+            )
+        return (
+            f"this torch ({torch.__version__}) has no FSDPModule.reset_iter_state() to recover with: resume from a "
+            "checkpoint in new processes"
+        )
+
+    def failed_backward_advice(self) -> str | None:
+        if not self._mid_backward():
+            return None
+        return f"FSDP2's state is left mid-backward: {self._recovery()}"
+
+    def check_backward_recovered(self, what: str) -> None:
+        if self._mid_backward():
+            raise RuntimeError(
+                f"{what}: FSDP2 is still inside a backward that failed (its state was not reset, so it would neither "
+                f"reduce nor reshard); nothing changed; {self._recovery()}"
+            )
 
     def check_window_end(self) -> None:
         if self.holds_unreduced():

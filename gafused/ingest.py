@@ -164,6 +164,10 @@ class BucketHooks:
             deferred.clear()
         self.active = True
 
+    def landed_any(self) -> bool:
+        """Whether a gradient landed in this (or the last) backward call."""
+        return any(map(any, self._landed))
+
     def _read_followed(self) -> list[bool]:
         """Per hooked parameter: whether hooks registered after this accumulator's run after it. A hook table
         ({handle id: hook}, in running order) holding only this accumulator's hook needs no closer look: only

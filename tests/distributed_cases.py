@@ -778,7 +778,8 @@ def _window_end_failed_on_one_rank(rank: int) -> dict[str, str]:
 def _fsdp_failed_backward_over_held_gradients(rank: int) -> dict[str, str]:
     """FSDP2 adds a later backward's reduced gradient into the ``_local_tensor`` of the one a plain loss.backward()
     left, which leaves the DTensor's own version counter as it was. A backward(loss) failing after the last two
-    layers were reduced must drop those four (half-updated) gradients and keep the first layer's as they were."""
+    layers were reduced discards the window, as on every rank failing there (some may have folded a bucket of their
+    shards): every held gradient goes, the four half-updated ones with the first layer's."""
     import gafused
 
     def explode(grad: torch.Tensor) -> None:
@@ -1102,8 +1103,9 @@ def run_sync_off_way_out(rank: int) -> dict[str, Any]:
     return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
 
 
-def sync_off_way_out_truth() -> list[torch.Tensor]:
-    """Float64, one process: the first window is dropped; the others step every layer."""
+def dropped_first_window_truth() -> list[torch.Tensor]:
+    """Float64, one process, ``WAY_OUT_WINDOWS`` windows of ``N``: the first window is dropped; the others step every
+    layer."""
     model = make_model(torch.float64)
     for window in range(WAY_OUT_WINDOWS):
         total, weight_sum = torch.zeros((), dtype=torch.float64), 0.0
@@ -1120,6 +1122,57 @@ def sync_off_way_out_truth() -> list[torch.Tensor]:
             for param in model.parameters():
                 param -= LR * param.grad
     return [param.detach().clone() for param in model.parameters()]
+
+
+def run_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
+    """FSDP2: the first window's second backward fails on every rank at one point (a hook on the first layer's output
+    gradient raises, after FSDP reduced the two later layers' gradients; with ``sync_off``, after FSDP added them to
+    what it holds unreduced of the first micro-batch). Each rank cuts its buckets from its own shards, so one rank
+    had folded a bucket by then and the other had not: both discard the window. Until the loop calls FSDP's
+    reset_iter_state(), backward() and step() refuse; after it, the loop starts the next window and two windows run
+    through on every rank."""
+    import gafused
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("bad batch")
+
+    model = _wrap("fsdp", rank)
+    if sync_off:
+        model.set_requires_gradient_sync(False)
+    opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=LR), N, bucket_bytes=BUCKET_BYTES, model=model)
+    failing = [False]
+
+    def arm(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        if failing[0]:
+            out.register_hook(explode)
+
+    model[0].register_forward_hook(arm)
+    said: dict[str, str] = {}
+    for window in range(WAY_OUT_WINDOWS):
+        for micro in range(N):
+            x, y = micro_batch(rank, window, micro)
+            failing[0] = (window, micro) == (0, 1)
+            loss = token_losses(model, x, y).mean()
+            try:
+                opt.backward(loss, weight=x.shape[0])
+                failed = "no error"
+            except RuntimeError as error:
+                failed = " ".join([str(error), *getattr(error, "__notes__", [])])
+            if failing[0]:
+                said["failed"] = failed
+                said["micro_step after the failure"] = str(opt.micro_step)
+                said["unreduced after the failure"] = str(opt._sync.holds_unreduced())
+                x, y = micro_batch(rank, window, micro + 1)
+                said["before the reset: backward"] = _said(
+                    RuntimeError, opt.backward, token_losses(model, x, y).mean(), weight=x.shape[0]
+                )
+                said["before the reset: step"] = _said(RuntimeError, opt.step)
+                model.reset_iter_state()
+                break  # the window is gone: the loop starts the next one
+            said[f"backward {window} {micro}"] = failed
+            said[f"step {window} {micro}"] = _said(RuntimeError, opt.step)
+            opt.zero_grad()
+    return {"said": said, "stepped": opt.stepped, "params": [_full(param) for param in model.parameters()]}
 
 
 def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:
@@ -1630,6 +1683,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     for case in SYNC_OFF_RECORDS:
         _recorded(results, f"sync off records: {case}", run_sync_off_records, rank, case)
     _recorded(results, "sync off way out", run_sync_off_way_out, rank)
+    for sync_off in (False, True):
+        _recorded(results, f"failed backward, sync off {sync_off}", run_failed_backward, rank, sync_off)
     _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)

@@ -325,7 +325,7 @@ def test_fsdp_sync_off_conflict_past_the_first_micro_batch_is_left_by_loading_a_
     its window's first micro-batch: step() and zero_grad() refuse and name the way out, loading every accumulator
     over the model with the state_dict() it gave between windows, which drops the window; the next two windows go
     through on every rank and land on the float64 truth of those two."""
-    truth = cases.sync_off_way_out_truth()
+    truth = cases.dropped_first_window_truth()
     initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
     results = [_result(ranks, "sync off way out", rank) for rank in range(cases.WORLD)]
     for result in results:
@@ -336,6 +336,33 @@ def test_fsdp_sync_off_conflict_past_the_first_micro_batch_is_left_by_loading_a_
         assert said["load"] == "no error" and said["micro_steps after the load"] == "[0, 0]"
         assert {message for case, message in said.items() if case.startswith("step ")} == {"no error"}, said
         assert all(result["stepped"])
+        assert _error(result["params"], truth, initial) < FP32_ERROR
+    assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
+
+
+@pytest.mark.parametrize("sync_off", [False, True])
+def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(ranks: list[dict], sync_off: bool) -> None:
+    """A backward failing at one point on every rank, after FSDP2 reduced part of its gradients: one rank had
+    folded a bucket of its shards and the other had not, and both discard the window (the one that had not used to
+    keep it, so the ranks ran different windows from then on: a gloo timeout, an NCCL hang). backward() and step()
+    then refuse until FSDP's reset_iter_state(), which the failure's note names; after it two windows go through on
+    every rank and land on the float64 truth of those two."""
+    truth = cases.dropped_first_window_truth()
+    initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
+    results = [_result(ranks, f"failed backward, sync off {sync_off}", rank) for rank in range(cases.WORLD)]
+    for result in results:
+        said = result["said"]
+        failed = said["failed"]
+        assert "bad batch" in failed and "the open accumulation window was discarded" in failed, failed
+        assert "call model.reset_iter_state() on the root fully_shard module" in failed, failed
+        assert said["micro_step after the failure"] == "0"
+        assert said["unreduced after the failure"] == "False"  # what FSDP held (sync off) went with the window
+        for call in ("backward", "step"):
+            refused = said[f"before the reset: {call}"]
+            assert refused.startswith(f"{call}(): FSDP2 is still inside a backward that failed"), refused
+            assert "nothing changed; call model.reset_iter_state()" in refused, refused
+        assert {message for case, message in said.items() if case.startswith(("step ", "backward "))} == {"no error"}
+        assert result["stepped"]
         assert _error(result["params"], truth, initial) < FP32_ERROR
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
@@ -419,10 +446,11 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         untouched = said["fsdp split untouched gradients step()"]
         assert untouched == "no error", untouched
         assert said["fsdp split untouched gradients micro_step"] == "1"
-        # A failed backward() under FSDP2 drops the held gradients FSDP added into in place, and says how many.
+        # A backward() under FSDP2 failing after FSDP reduced part of it discards the window with every held
+        # gradient (four of them half-updated in place), as on every rank failing there.
         failed = said["fsdp failed backward over held gradients"]
-        assert "hook failed" in failed and "4 gradient(s) held from an earlier loss.backward()" in failed, failed
-        assert said["fsdp failed backward over held gradients kept"] == "True True dropped dropped dropped dropped"
+        assert "hook failed" in failed and "the open accumulation window was discarded" in failed, failed
+        assert said["fsdp failed backward over held gradients kept"] == " ".join(["dropped"] * 6)
         assert said["fsdp failed backward over held gradients micro_step"] == "0"
         for kind in ("ddp", "fsdp"):  # one rank discarded a window the other stepped: the next end says so on both
             failed = said.get(f"{kind} window end failed on one rank, window 0", "no error")
