@@ -7,9 +7,10 @@ oracle; this one is tested against it.
 
 Agreement with the reference (``gafused/reference.py``):
 - ``fold_``, ``scale_``: bitwise (a nan may carry another sign or payload). On CPU a middle fold is
-  ``add_(grad, alpha=weight)`` per segment, as the reference's CPU path; elsewhere the weight stays on the device
-  and the rounding is ``acc + (grad * weight)`` with the product in the buffer's dtype, as the reference's device
-  path.
+  ``add_(grad, alpha=weight)`` per segment, as the reference's CPU path (neighbouring small segments take one
+  ``add_`` of their concatenated gradients over their run of the buffer: the same add per element,
+  ``SMALL_SEGMENT_BYTES``); elsewhere the weight stays on the device and the rounding is ``acc + (grad * weight)``
+  with the product in the buffer's dtype, as the reference's device path.
 - sums of squares: 2-norms are computed in float64 and squared there, as the reference adds its squares in
   float64: per segment when asked for per segment; for the total, per run of segments (below; on CPU a float32
   buffer's runs in pieces of at most half its longest segment, or of 256 elements). For a float32 buffer the results

@@ -281,6 +281,68 @@ def test_ops_over_runs_are_bitwise_the_reference_and_leave_padding_alone(host, c
     assert padding.any() and candidate.data[padding].isnan().all()
 
 
+# Neighbouring small segments of mixed shapes: the middle fold on CPU adds runs of them (one dtype, one shape but the
+# first dimension, no padding between) with one cat each; a large one and the 17-element one (padding after it) stop
+# a run, as does a change of shape or of gradient dtype.
+SMALL_RUN_SHAPES = [(16,)] * 3 + [(2, 8)] * 4 + [(4096,)] + [(16,)] * 2 + [(17,)] + [(4, 4)] * 2 + [(32,)] * 3
+
+
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+def test_middle_fold_of_small_runs_is_bitwise_the_reference_and_leaves_padding_alone(accum_dtype, chunk, monkeypatch):
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", chunk)
+    generator = torch.Generator().manual_seed(13)
+    params = [torch.empty(shape, dtype=accum_dtype) for shape in SMALL_RUN_SHAPES]
+    candidate, expected = FlatGradBuffer(params, accum_dtype), FlatGradBuffer(params, accum_dtype)
+    poison = torch.full((candidate.numel,), float("nan"), dtype=accum_dtype)
+    candidate.data.copy_(poison)
+    expected.data.copy_(poison)
+    # Gradients of the parameters' dtype, then some of them in other dtypes (a run breaks there), then one missing.
+    dtypes = [accum_dtype] * len(params)
+    layouts = [(dtypes, set()), ([torch.bfloat16] * 9 + [torch.float64] * 3 + [accum_dtype] * 4, set())]
+    layouts.append((dtypes, {1, 9}))
+    runs_used = 0
+    for step, (grad_dtypes, missing) in enumerate(layouts * 2):
+        grads = [
+            None if index in missing else torch.randn(shape, generator=generator).to(dtype)
+            for index, (shape, dtype) in enumerate(zip(SMALL_RUN_SHAPES, grad_dtypes, strict=True))
+        ]
+        for weight in (0.37, torch.tensor(1.7)):
+            checked = ops.check_grads(candidate, grads)
+            ops.fold_(candidate, checked, weight, first=step == 0, backend="foreach", check=False)
+            ops.fold_(expected, grads, weight, first=step == 0, backend="reference")
+            assert torch.equal(candidate.data.nan_to_num(7.0), expected.data.nan_to_num(7.0))
+            small = foreach_backend._small_runs(foreach_backend._views_cache[candidate.data], checked, candidate.data)
+            runs_used += small is not None and step > 0
+    padding = torch.ones(candidate.numel, dtype=torch.bool)
+    for index in range(len(candidate)):
+        padding[candidate.offsets[index] : candidate.offsets[index] + candidate.numels[index]] = False
+    assert padding.any() and candidate.data[padding].isnan().all()
+    assert runs_used > 0 or chunk == CHUNKS["pieces"]  # (40-byte chunks leave no room for a run of two)
+
+
+def test_small_runs_follow_the_layout():
+    """Runs of neighbouring small segments: broken by padding, a large segment, a missing gradient, a change of
+    gradient dtype or of shape past the first dimension (not by a 1-D segment of another length, the 17 elements
+    here, padded after); a run of one is added per segment."""
+    params = [torch.empty(shape) for shape in SMALL_RUN_SHAPES]
+    buffer = FlatGradBuffer(params)
+    grads = [torch.zeros(shape) for shape in SMALL_RUN_SHAPES]
+    grads[13] = grads[13].double()
+    grads[4] = None
+    checked = ops.check_grads(buffer, grads)
+    ops.fold_(buffer, checked, 1.0, first=True, backend="foreach", check=False)
+    ops.fold_(buffer, checked, 1.0, first=False, backend="foreach", check=False)
+    small = foreach_backend._small_runs(foreach_backend._views_cache[buffer.data], checked, buffer.data)
+    assert [(start, stop) for _, start, stop in small.runs] == [(0, 3), (5, 7), (8, 11), (11, 13), (14, 16)]
+    assert small.rest == [3, 4, 7, 13]
+    for target, start, stop in small.runs:
+        assert target.data_ptr() == buffer.segment(start).data_ptr()
+        assert target.numel() == sum(buffer.numels[start:stop])
+    # A list without a recorded layout is added per segment.
+    assert foreach_backend._small_runs(foreach_backend._views_cache[buffer.data], list(checked), buffer.data) is None
+
+
 def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     """On CPU: the window scale is one multiply per run of segments, and the sum of squares the float64 norms of the
     runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment)."""
