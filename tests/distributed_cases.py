@@ -491,6 +491,90 @@ def run_irregular(rank: int, name: str, interrupted: bool = False) -> list[torch
     return [p.detach().clone() for p in model.parameters()]
 
 
+# --- a backward that fails alike on every rank (DDP) ----------------------------------------------------------------
+
+DDP_FAILED_MICRO_BATCHES = 4 * N  # then flush()
+# name -> the micro-batch (counted from the first) whose backward fails on every rank
+DDP_FAILED_BACKWARD = {"a window's middle micro-batch": N + 1, "a window's last micro-batch": 2 * N - 1}
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def ddp_failed_backward_truth(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Float64, one process: windows of N micro-batches over every rank's data, the failed micro-batch and the
+    earlier ones of its window left out (the window is discarded), the next window starting after it; a partial
+    last window (flush). Returns (final, initial) params."""
+    failed = DDP_FAILED_BACKWARD[name]
+    model = make_model(torch.float64)
+    initial = [p.detach().clone() for p in model.parameters()]
+    windows, window = [], []
+    for micro in range(DDP_FAILED_MICRO_BATCHES):
+        if micro == failed:
+            window = []
+            continue
+        window.append(micro)
+        if len(window) == N:
+            windows.append(window)
+            window = []
+    windows += [window] if window else []
+    for window in windows:
+        model.zero_grad()
+        total, weight_sum = torch.zeros((), dtype=torch.float64), 0
+        for rank in range(WORLD):
+            for micro in window:
+                x, y = micro_batch(rank, 0, micro, dtype=torch.float64)
+                total = total + token_losses(model, x, y).sum()
+                weight_sum += x.shape[0]
+        (total / weight_sum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return [p.detach().clone() for p in model.parameters()], initial
+
+
+def run_ddp_failed_backward(rank: int, name: str) -> dict[str, Any]:
+    """DDP + opt.backward() with 256-byte buckets; on every rank the same micro-batch's backward fails at the first
+    layer's output (a tensor hook a forward hook registered), after the later layers' buckets were folded and, on a
+    window's last micro-batch, their all-reduces launched. The loop catches it, calls zero_grad() and goes on."""
+    import gafused
+
+    model = _wrap("ddp", rank)
+    opt = gafused.GradAccumulator(
+        torch.optim.SGD(model.parameters(), lr=LR), N, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES, model=model
+    )
+    failing = [False]
+
+    def raise_in_backward(grad: torch.Tensor) -> None:
+        raise _Injected("backward failed")
+
+    def forward_hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if failing[0]:
+            output.register_hook(raise_in_backward)
+
+    model.module[0].register_forward_hook(forward_hook)
+    result: dict[str, Any] = {}
+    with _Wire() as wire:
+        for micro in range(DDP_FAILED_MICRO_BATCHES):
+            failing[0] = micro == DDP_FAILED_BACKWARD[name]
+            calls = wire.calls
+            x, y = micro_batch(rank, 0, micro)
+            try:
+                opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+                opt.step()
+                opt.zero_grad()
+            except _Injected as error:
+                result["said"] = " ".join([str(error), *getattr(error, "__notes__", [])])
+                result["micro_step"] = opt.micro_step
+                result["all-reduces launched"] = wire.calls - calls
+                opt.zero_grad()
+        opt.flush()
+    result["params"] = [p.detach().clone() for p in model.module.parameters()]
+    return result
+
+
 def run_batchnorm(rank: int, accumulate: str, trace: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """A model with BatchNorm trained for two windows under DDP, by gafused or by plain DDP with ``no_sync()``,
     then one eval forward (where DDP broadcasts rank 0's buffers when due); this rank's running statistics."""
@@ -1675,6 +1759,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     _recorded(
         results, "irregular interrupted", run_irregular, rank, "shared in two reentrant checkpoints", interrupted=True
     )
+    for name in DDP_FAILED_BACKWARD:
+        _recorded(results, f"ddp failed backward: {name}", run_ddp_failed_backward, rank, name)
     results["batchnorm"], results["batchnorm trace"] = {}, {}
     for accumulate in ("gafused", "no_sync"):
         trace: list[torch.Tensor] = []

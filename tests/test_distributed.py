@@ -265,6 +265,23 @@ def test_a_checkpoint_loaded_over_an_interrupted_last_micro_batch_drops_its_redu
         assert all(torch.equal(a, b) for a, b in zip(result, plain, strict=True)), rank
 
 
+@pytest.mark.parametrize("name", list(cases.DDP_FAILED_BACKWARD))
+def test_ddp_backward_failing_on_every_rank_discards_the_window_and_goes_on(ranks: list[dict], name: str) -> None:
+    """The same micro-batch's backward fails on every rank after later layers' buckets were folded (on a window's
+    last micro-batch, after their all-reduces were launched): every rank discards the window with a note, the
+    reductions in flight are waited for and forgotten, and the later windows match the float64 truth of the same
+    schedule, the replicas bitwise equal."""
+    results = [_result(ranks, f"ddp failed backward: {name}", rank) for rank in range(cases.WORLD)]
+    last = cases.DDP_FAILED_BACKWARD[name] % cases.N == cases.N - 1
+    for result in results:
+        assert "backward failed" in result["said"] and "window was discarded" in result["said"]
+        assert result["micro_step"] == 0
+        assert (result["all-reduces launched"] > 0) == last
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"], strict=True))
+    truth, initial = cases.ddp_failed_backward_truth(name)
+    assert _error(results[0]["params"], truth, initial) < FP32_ERROR
+
+
 def test_module_buffers_are_broadcast_once_per_window_as_under_no_sync(ranks: list[dict]) -> None:
     """DDP broadcasts rank 0's buffers (BatchNorm statistics) at the forward after a synchronized backward: with
     gafused as with plain DDP and no_sync(), the ranks hold rank 0's statistics after it."""
