@@ -384,6 +384,21 @@ def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(rank
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
+def test_fsdp_interrupt_before_autograd_ran_keeps_the_window_and_what_fsdp_holds(ranks: list[dict]) -> None:
+    """FSDP2 with its sync off: a Ctrl-C in backward() before autograd ran, on every rank, leaves the window and the
+    first micro-batch's gradients FSDP holds unreduced as they were (the failed call reached neither); retrying
+    the micro-batch trains bitwise as without the interrupt, on every rank."""
+    results = [_result(ranks, "interrupted before autograd", rank) for rank in range(cases.WORLD)]
+    for result in results:
+        said = result["said"]
+        assert said["interrupted"].startswith("KeyboardInterrupt"), said["interrupted"]
+        assert "discarded" not in said["interrupted"] and "reset_iter_state" not in said["interrupted"], said
+        assert said["micro_step after the interrupt"] == "1"
+        assert said["unreduced after the interrupt"] == "True"
+        assert all(map(torch.equal, result["params"], result["uninterrupted"]))
+    assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
+
+
 def test_fsdp_sync_switched_off_once_stays_off_after_each_window(ranks: list[dict]) -> None:
     """opt.backward() turns FSDP's gradient sync on for a window's last micro-batch only: the user's
     set_requires_gradient_sync(False) holds again for the next window's micro-batches (the case itself is exact,
