@@ -795,9 +795,9 @@ class GradAccumulator(torch.optim.Optimizer):
         micro-batch: it is discarded (``micro_step`` back to 0) and the error is raised. If it fails before folding
         anything (autograd refused the graph, say), the gradients it left are dropped and the window, with what
         earlier ``backward`` calls of the micro-batch folded, is as it was. Under FSDP2 the window is discarded as
-        soon as FSDP reduced a gradient of the call or holds the window's unreduced (what one rank's buckets of its
-        shards folded by then, another's may not have), and the note says to call ``model.reset_iter_state()``
-        (FSDP's recovery), without which ``backward()`` and ``step()`` refuse.
+        soon as FSDP reduced a gradient of the call or added to those it holds unreduced (what one rank's buckets of
+        its shards folded by then, another's may not have); where FSDP is left mid-backward, the note names
+        ``model.reset_iter_state()`` (FSDP's recovery), without which ``backward()`` and ``step()`` refuse.
 
         Args:
             loss: the micro-batch's loss (mean-reduced as usual; never divided by N): a one-element tensor that
@@ -869,6 +869,7 @@ class GradAccumulator(torch.optim.Optimizer):
         ended_before = None if opened else micro.ends_window
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
+        unreduced_before = self._sync.unreduced_fingerprint()  # (FSDP2 with its sync off)
         autograd_ran = False
         # From here on a failure (an interrupt too, which lands as any call returns) is undone below: the micro-batch
         # this call opened or declared the last, and the wrapper's sync setting, go back to what they were.
@@ -890,7 +891,11 @@ class GradAccumulator(torch.optim.Optimizer):
             self._fold_held_buckets(self._held_grads())
         except BaseException as error:
             self._hooks.stop(learn=False)
-            lost = autograd_ran and micro is not None and self._sync.loses_window(self._hooks.landed_any())
+            lost = (
+                autograd_ran
+                and micro is not None
+                and self._sync.loses_window(self._hooks.landed_any(), unreduced_before)
+            )
             if micro is not None and (micro.folded_in_call or lost):
                 # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window; or
                 # (FSDP2) it may be on another rank, which discards the window.
@@ -901,8 +906,8 @@ class GradAccumulator(torch.optim.Optimizer):
                     + (
                         ""
                         if not lost
-                        else ": FSDP2 had reduced gradients of this backward or held the window's unreduced, so every "
-                        "rank whose backward failed at this point discards it, whatever its own buckets folded"
+                        else ": FSDP2 had reduced gradients of this backward or added to those it holds unreduced, so "
+                        "every rank whose backward failed at this point discards it, whatever its own buckets folded"
                     ),
                 )
             else:
@@ -919,7 +924,7 @@ class GradAccumulator(torch.optim.Optimizer):
                     self._close_micro_batch()  # also one that failed while opening
                 else:
                     micro.ends_window = ended_before
-            advice = self._sync.failed_backward_advice() if autograd_ran else None
+            advice = self._sync.backward_failed() if autograd_ran else None
             if advice is not None:
                 _add_note(error, f"gafused: {advice}")
             raise

@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import itertools
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,13 +166,14 @@ class Sync:
         """Raise if gradients of the window are still held back by the wrapper at its last micro-batch."""
         return None
 
-    def loses_window(self, landed: bool) -> bool:
+    def loses_window(self, landed: bool, unreduced_before: Any) -> bool:
         """Whether a backward that failed once autograd ran discards the open window whatever it folded on this rank
-        (``landed``: a gradient of it reached the buffers' hooks), so that every rank failing there does alike."""
+        (``landed``: a gradient of it reached the buffers' hooks; ``unreduced_before``: ``unreduced_fingerprint()``
+        as the call began), so that every rank failing there does alike."""
         return False
 
-    def failed_backward_advice(self) -> str | None:
-        """What to do before the next forward after a backward that failed once autograd ran (None: nothing)."""
+    def backward_failed(self) -> str | None:
+        """Record a backward that failed once autograd ran; what to do before the next forward (None: nothing)."""
         return None
 
     def check_backward_recovered(self, what: str) -> None:
@@ -529,12 +531,12 @@ class FSDPSync(Sync):
             if unsharded is not None:
                 unsharded.grad = None
 
-    def loses_window(self, landed: bool) -> bool:
+    def loses_window(self, landed: bool, unreduced_before: Any) -> bool:
         # Each rank cuts its buckets from its own shards, so a backward failing at one point on every rank may have
         # completed a bucket (folded it into the window) on one rank and not on another. FSDP reduces and hands over
-        # the same parameters' gradients on every rank (empty shards too) and holds the same ones unreduced; what it
-        # holds may hold part of the failed backward, and its reset_iter_state() does not drop them.
-        return landed or self.holds_unreduced()
+        # the same parameters' gradients on every rank (empty shards too), and adds to what it holds unreduced alike
+        # (its reset_iter_state() does not drop those).
+        return landed or self.unreduced_fingerprint() != unreduced_before
 
     def _mid_backward(self) -> bool:
         # FSDP queues its backward's final callback (which reduces what is left, reshards and resets its state) as
@@ -554,17 +556,23 @@ class FSDPSync(Sync):
             "checkpoint in new processes"
         )
 
-    def failed_backward_advice(self) -> str | None:
+    def backward_failed(self) -> str | None:
         if not self._mid_backward():
             return None
+        _FAILED_MID_BACKWARD.add(self._model)
         return f"FSDP2's state is left mid-backward: {self._recovery()}"
 
     def check_backward_recovered(self, what: str) -> None:
-        if self._mid_backward():
-            raise RuntimeError(
-                f"{what}: FSDP2 is still inside a backward that failed (its state was not reset, so it would neither "
-                f"reduce nor reshard); nothing changed; {self._recovery()}"
-            )
+        # Only after a backward() that failed so: FSDP leaves the same flag set after a compiled-autograd backward.
+        if self._model not in _FAILED_MID_BACKWARD:
+            return
+        if not self._mid_backward():
+            _FAILED_MID_BACKWARD.discard(self._model)  # reset since
+            return
+        raise RuntimeError(
+            f"{what}: FSDP2 is still inside a backward that failed (its state was not reset, so it would neither "
+            f"reduce nor reshard); nothing changed; {self._recovery()}"
+        )
 
     def check_window_end(self) -> None:
         if self.holds_unreduced():
@@ -573,8 +581,13 @@ class FSDPSync(Sync):
                 "set_requires_gradient_sync(False)); call model.set_requires_gradient_sync(True) before "
                 "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does (given "
                 "end_window=True on a driven window's last micro-batch)"
+                + (f"; after a backward that failed, {self._recovery()}" if self._mid_backward() else "")
             )
 
+
+# fully_shard models whose backward, run by an accumulator over them, failed and left FSDP mid-backward (any
+# accumulator over the model refuses to go on until FSDP is reset).
+_FAILED_MID_BACKWARD: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 _TAGS = itertools.count(1)
 _TAGGED = WeakIdKeyDictionary()

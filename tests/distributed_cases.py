@@ -1259,16 +1259,20 @@ def run_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
     return {"said": said, "stepped": opt.stepped, "params": [_full(param) for param in model.parameters()]}
 
 
-def run_interrupted_before_autograd(rank: int) -> dict[str, Any]:
-    """FSDP2, its sync off: a Ctrl-C lands in the first window's second backward() before autograd ran (as the
-    wrapper's sync setting is read), on every rank. FSDP holds the first micro-batch's gradients unreduced, which the
-    failed call never reached: the window is kept (``micro_step`` 1, what FSDP holds with it), and retrying the
-    micro-batch trains bitwise as a run that was never interrupted."""
+def run_failed_before_fsdp_held_more(rank: int, how: str) -> dict[str, Any]:
+    """FSDP2, its sync off: the first window's second backward() fails on every rank before FSDP added anything of
+    it to the first micro-batch's gradients it holds unreduced: a Ctrl-C before autograd ran (as the wrapper's sync
+    setting is read: ``how="interrupt"``), or a hook on the loss, the first thing autograd runs (``how="loss
+    hook"``). The window is kept (``micro_step`` 1, what FSDP holds with it), and retrying the micro-batch trains
+    bitwise as a run where nothing failed."""
     import gafused
+
+    def explode(grad: torch.Tensor) -> None:
+        raise KeyboardInterrupt
 
     said: dict[str, str] = {}
     runs = []
-    for interrupted in (False, True):
+    for failing in (False, True):
         model = _wrap("fsdp", rank)
         model.set_requires_gradient_sync(False)
         opt = gafused.GradAccumulator(
@@ -1277,26 +1281,30 @@ def run_interrupted_before_autograd(rank: int) -> dict[str, Any]:
         for window in range(WAY_OUT_WINDOWS):
             for micro in range(N):
                 x, y = micro_batch(rank, window, micro)
-                if interrupted and (window, micro) == (0, 1):
+                if failing and (window, micro) == (0, 1):
                     original = opt._sync.before_backward
+                    loss = token_losses(model, x, y).mean()
+                    if how == "interrupt":
 
-                    def before_backward(last: bool) -> None:
-                        raise KeyboardInterrupt
+                        def before_backward(last: bool) -> None:
+                            raise KeyboardInterrupt
 
-                    opt._sync.before_backward = before_backward
+                        opt._sync.before_backward = before_backward
+                    else:
+                        loss.register_hook(explode)
                     try:
-                        opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
-                        said["interrupted"] = "no error"
+                        opt.backward(loss, weight=x.shape[0])
+                        said["failed"] = "no error"
                     except KeyboardInterrupt as error:
-                        said["interrupted"] = " ".join(["KeyboardInterrupt", *getattr(error, "__notes__", [])])
+                        said["failed"] = " ".join(["KeyboardInterrupt", *getattr(error, "__notes__", [])])
                     opt._sync.before_backward = original
-                    said["micro_step after the interrupt"] = str(opt.micro_step)
-                    said["unreduced after the interrupt"] = str(opt._sync.holds_unreduced())
+                    said["micro_step after the failure"] = str(opt.micro_step)
+                    said["unreduced after the failure"] = str(opt._sync.holds_unreduced())
                 opt.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
                 opt.step()
                 opt.zero_grad()
         runs.append([_full(param) for param in model.parameters()])
-    return {"said": said, "params": runs[1], "uninterrupted": runs[0]}
+    return {"said": said, "params": runs[1], "without the failure": runs[0]}
 
 
 def _fsdp_zero_grad_after_a_load(rank: int) -> dict[str, str]:
@@ -1811,7 +1819,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     _recorded(results, "sync off way out", run_sync_off_way_out, rank)
     for sync_off in (False, True):
         _recorded(results, f"failed backward, sync off {sync_off}", run_failed_backward, rank, sync_off)
-    _recorded(results, "interrupted before autograd", run_interrupted_before_autograd, rank)
+    for how in ("interrupt", "loss hook"):
+        _recorded(results, f"failed before fsdp held more: {how}", run_failed_before_fsdp_held_more, rank, how)
     _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)

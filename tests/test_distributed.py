@@ -384,18 +384,20 @@ def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(rank
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
-def test_fsdp_interrupt_before_autograd_ran_keeps_the_window_and_what_fsdp_holds(ranks: list[dict]) -> None:
-    """FSDP2 with its sync off: a Ctrl-C in backward() before autograd ran, on every rank, leaves the window and the
-    first micro-batch's gradients FSDP holds unreduced as they were (the failed call reached neither); retrying
-    the micro-batch trains bitwise as without the interrupt, on every rank."""
-    results = [_result(ranks, "interrupted before autograd", rank) for rank in range(cases.WORLD)]
+@pytest.mark.parametrize("how", ["interrupt", "loss hook"])
+def test_fsdp_backward_failing_before_fsdp_held_more_keeps_the_window(ranks: list[dict], how: str) -> None:
+    """FSDP2 with its sync off: a backward() failing on every rank before FSDP added anything of it to what it holds
+    unreduced (a Ctrl-C before autograd ran, a hook on the loss) leaves the window and the first micro-batch's
+    gradients FSDP holds as they were; retrying the micro-batch trains bitwise as without the failure, on every
+    rank."""
+    results = [_result(ranks, f"failed before fsdp held more: {how}", rank) for rank in range(cases.WORLD)]
     for result in results:
         said = result["said"]
-        assert said["interrupted"].startswith("KeyboardInterrupt"), said["interrupted"]
-        assert "discarded" not in said["interrupted"] and "reset_iter_state" not in said["interrupted"], said
-        assert said["micro_step after the interrupt"] == "1"
-        assert said["unreduced after the interrupt"] == "True"
-        assert all(map(torch.equal, result["params"], result["uninterrupted"]))
+        assert said["failed"].startswith("KeyboardInterrupt"), said["failed"]
+        assert "discarded" not in said["failed"] and "reset_iter_state" not in said["failed"], said
+        assert said["micro_step after the failure"] == "1"
+        assert said["unreduced after the failure"] == "True"
+        assert all(map(torch.equal, result["params"], result["without the failure"]))
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
