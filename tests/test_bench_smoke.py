@@ -560,9 +560,8 @@ def test_the_readme_cpu_host_cost_figures_are_the_committed_runs() -> None:
         for saved in (small, wide, triton)
         for first, second in zip(rows(saved, before), rows(saved, after), strict=True)
     ]
-    close = [abs(ratio - 1) <= 0.04 for ratio in after_before]
-    assert sum(close) == 8 and not close[5], "eight of the nine, all but the 148 x 4096 file's third run"
-    assert f"the second is {after_before[5]:.2f}x the first" in flat
+    assert all(abs(ratio - 1) <= 0.04 for ratio in after_before), after_before
+    assert "are within 4% of each other in all nine committed runs" in flat
     assert f"`ops.fold_` {span(triton, 'fold_', 'triton-host')}x the same run's `torch._foreach_add_`" in flat
     assert f"({span(triton, baseline, field='median_us', spec='.0f')} us), a whole `step()`" in flat
     assert f"`step()` {span(triton, 'step', 'triton-host')}x." in flat
