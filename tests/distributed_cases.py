@@ -1208,13 +1208,16 @@ def dropped_first_window_truth() -> list[torch.Tensor]:
     return [param.detach().clone() for param in model.parameters()]
 
 
-def run_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
+def run_failed_backward(rank: int, sync_off: bool, last_layer_input: bool = False) -> dict[str, Any]:
     """FSDP2: the first window's second backward fails on every rank at one point (a hook on the first layer's output
     gradient raises, after FSDP reduced the two later layers' gradients; with ``sync_off``, after FSDP added them to
     what it holds unreduced of the first micro-batch). Each rank cuts its buckets from its own shards, so one rank
     had folded a bucket by then and the other had not: both discard the window. Until the loop calls FSDP's
     reset_iter_state(), backward() and step() refuse; after it, the loop starts the next window and two windows run
-    through on every rank."""
+    through on every rank. With ``last_layer_input``, the hook is on the last layer's input gradient instead: it
+    raises after autograd gave that layer's unsharded parameters their gradients and before FSDP reduced them (its
+    sync on, FSDP held nothing as the call began), so nothing reached the buffers and FSDP holds the failed call's
+    gradients unreduced: the window is discarded all the same, with what FSDP holds."""
     import gafused
 
     def explode(grad: torch.Tensor) -> None:
@@ -1230,7 +1233,14 @@ def run_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
         if failing[0]:
             out.register_hook(explode)
 
-    model[0].register_forward_hook(arm)
+    def arm_input(module: torch.nn.Module, args: Any) -> None:
+        if failing[0]:
+            args[0].register_hook(explode)
+
+    if last_layer_input:
+        model[4].register_forward_pre_hook(arm_input)
+    else:
+        model[0].register_forward_hook(arm)
     said: dict[str, str] = {}
     for window in range(WAY_OUT_WINDOWS):
         for micro in range(N):
@@ -1819,6 +1829,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     _recorded(results, "sync off way out", run_sync_off_way_out, rank)
     for sync_off in (False, True):
         _recorded(results, f"failed backward, sync off {sync_off}", run_failed_backward, rank, sync_off)
+    _recorded(results, "failed backward before fsdp reduced", run_failed_backward, rank, False, True)
     for how in ("interrupt", "loss hook"):
         _recorded(results, f"failed before fsdp held more: {how}", run_failed_before_fsdp_held_more, rank, how)
     _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)

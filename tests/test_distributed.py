@@ -357,16 +357,27 @@ def test_fsdp_sync_off_conflict_past_the_first_micro_batch_is_left_by_loading_a_
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
-@pytest.mark.parametrize("sync_off", [False, True])
-def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(ranks: list[dict], sync_off: bool) -> None:
+@pytest.mark.parametrize(
+    ("case", "sync_off"),
+    [
+        ("failed backward, sync off False", False),
+        ("failed backward, sync off True", True),
+        ("failed backward before fsdp reduced", False),
+    ],
+)
+def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(
+    ranks: list[dict], case: str, sync_off: bool
+) -> None:
     """A backward failing at one point on every rank, after FSDP2 reduced part of its gradients: one rank had
     folded a bucket of its shards and the other had not, and both discard the window (the one that had not used to
     keep it, so the ranks ran different windows from then on: a gloo timeout, an NCCL hang). backward() and step()
     then refuse until FSDP's reset_iter_state(), which the failure's note names; after it two windows go through on
-    every rank and land on the float64 truth of those two."""
+    every rank and land on the float64 truth of those two. Also where it fails before FSDP reduced anything of it,
+    its sync on (nothing of the call reached the buffers), once FSDP holds the call's gradients of the last layer
+    unreduced: they go with the window."""
     truth = cases.dropped_first_window_truth()
     initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
-    results = [_result(ranks, f"failed backward, sync off {sync_off}", rank) for rank in range(cases.WORLD)]
+    results = [_result(ranks, case, rank) for rank in range(cases.WORLD)]
     for result in results:
         said = result["said"]
         failed = said["failed"]
