@@ -795,9 +795,10 @@ class GradAccumulator(torch.optim.Optimizer):
         micro-batch: it is discarded (``micro_step`` back to 0) and the error is raised. If it fails before folding
         anything (autograd refused the graph, say), the gradients it left are dropped and the window, with what
         earlier ``backward`` calls of the micro-batch folded, is as it was. Under FSDP2 the window is discarded as
-        soon as FSDP reduced a gradient of the call or added to those it holds unreduced (what one rank's buckets of
-        its shards folded by then, another's may not have); where FSDP is left mid-backward, the note names
-        ``model.reset_iter_state()`` (FSDP's recovery), without which ``backward()`` and ``step()`` refuse.
+        soon as FSDP handed over a reduced gradient of the call or the call changed what FSDP holds unreduced (what
+        one rank's buckets of its shards folded by then, another's may not have); where FSDP is left mid-backward,
+        the note names ``model.reset_iter_state()`` (FSDP's recovery), without which ``backward()`` and ``step()``
+        refuse.
 
         Args:
             loss: the micro-batch's loss (mean-reduced as usual; never divided by N): a one-element tensor that

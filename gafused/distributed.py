@@ -28,8 +28,8 @@ import contextlib
 import hashlib
 import inspect
 import itertools
+import sys
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -556,18 +556,18 @@ class FSDPSync(Sync):
             "checkpoint in new processes"
         )
 
+    def _stuck(self) -> bool:
+        # Between backwards, FSDP is mid-backward only after one that failed (this accumulator's or a plain
+        # loss.backward()); a compiled-autograd backward leaves the same flag set when it succeeds.
+        return self._mid_backward() and not _compiled_autograd()
+
     def backward_failed(self) -> str | None:
-        if not self._mid_backward():
+        if not self._stuck():
             return None
-        _FAILED_MID_BACKWARD.add(self._model)
         return f"FSDP2's state is left mid-backward: {self._recovery()}"
 
     def check_backward_recovered(self, what: str) -> None:
-        # Only after a backward() that failed so: FSDP leaves the same flag set after a compiled-autograd backward.
-        if self._model not in _FAILED_MID_BACKWARD:
-            return
-        if not self._mid_backward():
-            _FAILED_MID_BACKWARD.discard(self._model)  # reset since
+        if not self._stuck():
             return
         raise RuntimeError(
             f"{what}: FSDP2 is still inside a backward that failed (its state was not reset, so it would neither "
@@ -581,13 +581,18 @@ class FSDPSync(Sync):
                 "set_requires_gradient_sync(False)); call model.set_requires_gradient_sync(True) before "
                 "the last micro-batch's backward, or use opt.backward(loss, weight=w), which does (given "
                 "end_window=True on a driven window's last micro-batch)"
-                + (f"; after a backward that failed, {self._recovery()}" if self._mid_backward() else "")
+                + (f"; after a backward that failed, {self._recovery()}" if self._stuck() else "")
             )
 
 
-# fully_shard models whose backward, run by an accumulator over them, failed and left FSDP mid-backward (any
-# accumulator over the model refuses to go on until FSDP is reset).
-_FAILED_MID_BACKWARD: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+def _compiled_autograd() -> bool:
+    """Whether backward may run under compiled autograd (looked up without importing torch._dynamo)."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    dynamo = sys.modules.get("torch._dynamo")
+    return bool(getattr(compiled, "compiled_autograd_enabled", False)) or bool(
+        getattr(getattr(dynamo, "config", None), "compiled_autograd", False)
+    )
+
 
 _TAGS = itertools.count(1)
 _TAGGED = WeakIdKeyDictionary()

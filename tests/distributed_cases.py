@@ -824,6 +824,7 @@ def _misuse(rank: int) -> dict[str, str]:
     said.update(_fsdp_split_untouched_gradients(rank))
     said.update(_ddp_dropped_inside_no_sync(rank))
     said.update(_fsdp_failed_backward_over_held_gradients(rank))
+    said.update(_fsdp_plain_backward_failed(rank))
     said.update(_window_end_failed_on_one_rank(rank))
     return said
 
@@ -856,6 +857,37 @@ def _window_end_failed_on_one_rank(rank: int) -> dict[str, str]:
         said[f"{kind} window end failed on one rank, micro_step"] = str(opt.micro_step)
         del opt
         gc.collect()
+    return said
+
+
+def _fsdp_plain_backward_failed(rank: int) -> dict[str, str]:
+    """A plain loss.backward() fails on every rank after FSDP2 reduced the two later layers, and the loop drops its
+    gradients with zero_grad(): FSDP is left mid-backward (it would neither reduce nor reshard again), so the next
+    backward() and step() refuse, naming reset_iter_state(); after it a micro-batch goes through."""
+    import gafused
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("hook failed")
+
+    model = _wrap("fsdp", rank)
+    opt = gafused.GradAccumulator(torch.optim.SGD(model.parameters(), lr=LR), N, model=model)
+    x, y = micro_batch(rank, 0, 0)
+    handle = model[1].register_forward_hook(lambda module, args, out: [out.register_hook(explode)] and None)
+    try:
+        loss = token_losses(model, x, y).mean()
+    finally:
+        handle.remove()
+    said = {"fsdp plain backward failed": _said(RuntimeError, loss.backward)}
+    opt.zero_grad()
+    said["fsdp plain backward failed, then backward()"] = _said(
+        RuntimeError, opt.backward, token_losses(model, x, y).mean(), weight=x.shape[0]
+    )
+    said["fsdp plain backward failed, then step()"] = _said(RuntimeError, opt.step)
+    model.reset_iter_state()
+    said["fsdp plain backward failed, after the reset"] = _said(
+        RuntimeError, opt.backward, token_losses(model, x, y).mean(), weight=x.shape[0]
+    )
+    said["fsdp plain backward failed, micro_step"] = str(opt.micro_step)
     return said
 
 

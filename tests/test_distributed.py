@@ -497,6 +497,14 @@ def test_misuse_is_never_silent(ranks: list[dict]) -> None:
         assert "hook failed" in failed and "the open accumulation window was discarded" in failed, failed
         assert said["fsdp failed backward over held gradients kept"] == " ".join(["dropped"] * 6)
         assert said["fsdp failed backward over held gradients micro_step"] == "0"
+        # A plain loss.backward() that failed leaves FSDP mid-backward too: refused until FSDP's reset.
+        assert said["fsdp plain backward failed"] == "hook failed"
+        for call in ("backward()", "step()"):
+            refused = said[f"fsdp plain backward failed, then {call}"]
+            assert refused.startswith(f"{call}: FSDP2 is still inside a backward that failed"), refused
+            assert "call model.reset_iter_state()" in refused, refused
+        assert said["fsdp plain backward failed, after the reset"] == "no error"
+        assert said["fsdp plain backward failed, micro_step"] == "0"  # the micro-batch is open, not ended
         for kind in ("ddp", "fsdp"):  # one rank discarded a window the other stepped: the next end says so on both
             failed = said.get(f"{kind} window end failed on one rank, window 0", "no error")
             assert ("pre-hook failed" in failed) == (rank == 0), failed
