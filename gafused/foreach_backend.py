@@ -366,9 +366,13 @@ def _small_runs(views: _Views, grads: list[torch.Tensor | None], acc: torch.Tens
             continue
         close(index)
         start, end, dtype, inner, total = index, offset + numel, grad.dtype, shape[1:], numel
-        # The run's temporaries: the concatenated gradients, in another dtype also their conversion (at most as many
-        # elements as the middle fold's limit for cutting a converted gradient, so a run's segments are never cut).
-        limit = _chunk_elements(acc.device, grad.element_size() if dtype == acc.dtype else 16)
+        # The run's temporaries: the concatenated gradients, in another dtype also what add_ converts: the gradients
+        # into the buffer's dtype, or for float64 gradients into a float32 buffer the buffer's run and the sum in
+        # float64 (8 + 16 bytes an element). Another dtype counts at least 16 bytes an element, the middle fold's
+        # least limit for cutting a converted gradient, so a run's segments are never cut.
+        limit = _chunk_elements(
+            acc.device, grad.element_size() if dtype == acc.dtype else 24 if dtype == torch.float64 else 16
+        )
     close(len(grads))
     rest.sort()
     small = _SmallRuns(runs, rest) if runs else None

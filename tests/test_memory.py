@@ -71,6 +71,30 @@ def test_foreach_temporaries_stay_within_a_chunk(accum_dtype, monkeypatch):
     assert all(0 < value <= chunk + slack for value in peaks.values()), peaks
 
 
+@pytest.mark.parametrize(
+    ("accum_dtype", "grad_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.float64), (torch.float32, torch.bfloat16)]
+    + [(torch.float64, torch.float64), (torch.float64, torch.float32)],
+    ids=["fp32_into_fp32", "fp64_into_fp32", "bf16_into_fp32", "fp64_into_fp64", "fp32_into_fp64"],
+)
+def test_foreach_small_runs_stay_within_a_chunk(accum_dtype, grad_dtype):
+    """A CPU middle fold adds neighbouring small segments a run at a time (one cat of their gradients, one add_):
+    the concatenation and what add_ converts stay within CHUNK_BYTES, float64 gradients into a float32 buffer
+    included (added in float64: the buffer's run and the sum converted too)."""
+    chunk = foreach_backend.CHUNK_BYTES
+    small = foreach_backend.SMALL_SEGMENT_BYTES // torch.empty(0, dtype=accum_dtype).element_size()
+    segments = 2 * chunk // (small * torch.empty(0, dtype=accum_dtype).element_size())  # a few runs' worth
+    buffer = FlatGradBuffer([torch.empty(small) for _ in range(segments)], accum_dtype)
+    grads = [torch.randn(small).to(grad_dtype) for _ in range(segments)]
+    ops.fold_(buffer, grads, 0.5, first=True, backend="foreach")
+    checked = ops.check_grads(buffer, grads)
+    ops.fold_(buffer, checked, 0.5, first=False, backend="foreach", check=False)  # plans the runs
+    views = foreach_backend._views_cache[buffer.data]
+    assert views.small_runs is not None and len(views.small_runs.runs) > 1
+    peak = _peak(lambda: ops.fold_(buffer, checked, 0.5, first=False, backend="foreach", check=False))
+    assert 0 < peak <= chunk + 2**16, peak
+
+
 def test_foreach_per_segment_squares_stay_within_a_chunk():
     """Per-segment norms of a float32 buffer copy to float64 a piece at a time; and a segment measured there (its
     length cached for that chunk) is still cut for a later fold of float64 gradients, which needs 16 bytes an
