@@ -343,6 +343,75 @@ def test_small_runs_follow_the_layout():
     assert foreach_backend._small_runs(foreach_backend._views_cache[buffer.data], list(checked), buffer.data) is None
 
 
+def _planned(buffer: FlatGradBuffer, grads: list[torch.Tensor | None]) -> tuple[object, ops.CheckedGrads]:
+    """The small runs a CPU middle fold of ``grads`` plans (after a first fold), and the checked list it folded."""
+    checked = ops.check_grads(buffer, grads)
+    ops.fold_(buffer, checked, 1.0, first=True, backend="foreach", check=False)
+    ops.fold_(buffer, checked, 1.0, first=False, backend="foreach", check=False)
+    return foreach_backend._small_runs(foreach_backend._views_cache[buffer.data], checked, buffer.data), checked
+
+
+@pytest.mark.parametrize("accum_dtype", ACCUM_DTYPES.values(), ids=ACCUM_DTYPES.keys())
+def test_small_runs_take_segments_of_at_most_small_segment_bytes_and_plan_once(accum_dtype):
+    """A segment of exactly SMALL_SEGMENT_BYTES in the buffer joins a run, one an alignment longer does not (in
+    either buffer dtype); a later call with the same layout reuses the plan, one with another layout makes its own."""
+    small = foreach_backend.SMALL_SEGMENT_BYTES // torch.empty(0, dtype=accum_dtype).element_size()
+    step = 64 // torch.empty(0, dtype=accum_dtype).element_size()  # the default alignment: no padding after either
+    shapes = [(small,)] * 2 + [(small + step,)] * 2 + [(small,)] * 2
+    buffer = FlatGradBuffer([torch.empty(shape, dtype=accum_dtype) for shape in shapes], accum_dtype)
+    grads = [torch.ones(shape, dtype=accum_dtype) for shape in shapes]
+    small_runs, checked = _planned(buffer, grads)
+    assert [(start, stop) for _, start, stop in small_runs.runs] == [(0, 2), (4, 6)]
+    assert small_runs.rest == [2, 3]
+    again = ops.check_grads(buffer, [torch.ones(shape, dtype=accum_dtype) for shape in shapes])
+    assert again.shapes is checked.shapes
+    ops.fold_(buffer, again, 1.0, first=False, backend="foreach", check=False)
+    views = foreach_backend._views_cache[buffer.data]
+    assert foreach_backend._small_runs(views, again, buffer.data) is small_runs  # planned once per layout
+    other = ops.check_grads(buffer, [None, *grads[1:]])
+    ops.fold_(buffer, other, 1.0, first=False, backend="foreach", check=False)
+    replanned = foreach_backend._small_runs(views, other, buffer.data)
+    assert [(start, stop) for _, start, stop in replanned.runs] == [(4, 6)]
+    assert torch.equal(buffer.data[: buffer.numels[0]], torch.full((small,), 3.0, dtype=accum_dtype))
+
+
+@pytest.mark.parametrize(
+    ("grad_dtype", "bytes_per_element"),
+    [(torch.float32, 4), (torch.bfloat16, 16), (torch.float16, 16), (torch.float64, 24)],
+    ids=["fp32", "bf16", "fp16", "fp64"],
+)
+def test_small_runs_hold_at_most_a_chunk_of_temporaries(grad_dtype, bytes_per_element, monkeypatch):
+    """A run's temporaries stay within CHUNK_BYTES: its concatenated gradients, and in another dtype what add_
+    converts (float64 gradients into a float32 buffer are added in float64: the buffer's run and the sum converted
+    too, 24 bytes an element with the concatenation). Runs fill the chunk: 4-element segments, 256-byte chunks."""
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", 256)
+    shapes = [(4,)] * 20
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in shapes], alignment_bytes=16)
+    small_runs, _ = _planned(buffer, [torch.ones(shape, dtype=grad_dtype) for shape in shapes])
+    per_run = 256 // bytes_per_element // 4
+    expected = [(start, min(start + per_run, 20)) for start in range(0, 20, per_run)]
+    assert [(start, stop) for _, start, stop in small_runs.runs] == expected
+
+
+def test_a_run_before_a_converted_long_segment_is_bitwise_the_reference(monkeypatch):
+    """A long gradient of another dtype, cut into chunks, after a run of small segments and before another: the
+    pieces are cut where that gradient now sits among the segments added one by one."""
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", 4096)
+    shapes = [(16,)] * 4 + [(3000,)] + [(16,)] * 3
+    params = [torch.empty(shape) for shape in shapes]
+    candidate, expected = FlatGradBuffer(params), FlatGradBuffer(params)
+    generator = torch.Generator().manual_seed(5)
+    dtypes = [torch.float32] * 4 + [torch.bfloat16] + [torch.float32] * 3
+    for step in range(3):
+        grads = [torch.randn(shape, generator=generator).to(dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+        checked = ops.check_grads(candidate, grads)
+        ops.fold_(candidate, checked, 0.37, first=step == 0, backend="foreach", check=False)
+        ops.fold_(expected, grads, 0.37, first=step == 0, backend="reference")
+        assert torch.equal(candidate.data, expected.data)
+    small_runs = foreach_backend._small_runs(foreach_backend._views_cache[candidate.data], checked, candidate.data)
+    assert [(start, stop) for _, start, stop in small_runs.runs] == [(0, 4), (5, 8)]
+
+
 def test_a_finishing_fold_scales_and_measures_runs_not_segments():
     """On CPU: the window scale is one multiply per run of segments, and the sum of squares the float64 norms of the
     runs in pieces of at most half the longest segment (a piece's float64 copy is no bigger than that segment)."""
