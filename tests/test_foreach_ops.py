@@ -393,6 +393,22 @@ def test_small_runs_hold_at_most_a_chunk_of_temporaries(grad_dtype, bytes_per_el
     assert [(start, stop) for _, start, stop in small_runs.runs] == expected
 
 
+def test_a_0d_gradient_right_after_a_run_is_added_on_its_own():
+    """A 0-d parameter straight after 1-D segments (no padding between): its gradient has no first dimension to
+    concatenate along, so it stays out of the run before it."""
+    shapes = [(16,), (16,), ()]
+    params = [torch.empty(shape) for shape in shapes]
+    candidate, expected = FlatGradBuffer(params), FlatGradBuffer(params)
+    for step in range(3):
+        grads = [torch.full(shape, 0.1 * (step + index + 1)) for index, shape in enumerate(shapes)]
+        ops.fold_(candidate, ops.check_grads(candidate, grads), 0.37, first=step == 0, backend="foreach", check=False)
+        ops.fold_(expected, grads, 0.37, first=step == 0, backend="reference")
+        assert torch.equal(candidate.data, expected.data)
+    small_runs, _ = _planned(candidate, [torch.ones(shape) for shape in shapes])
+    assert [(start, stop) for _, start, stop in small_runs.runs] == [(0, 2)]
+    assert small_runs.rest == [2]
+
+
 def test_a_run_before_a_converted_long_segment_is_bitwise_the_reference(monkeypatch):
     """A long gradient of another dtype, cut into chunks, after a run of small segments and before another: the
     pieces are cut where that gradient now sits among the segments added one by one."""
