@@ -537,6 +537,13 @@ def test_the_readme_cpu_host_cost_figures_are_the_committed_runs() -> None:
     assert f"`ops.fold_` with its gradient check {span(small, 'fold_', 'foreach')}x" in flat
     assert f"without it {span(small, 'fold_ check=False', 'foreach')}x" in flat
     assert f"`GradAccumulator.step()` {span(small, 'step', 'foreach')}x" in flat
+    back_to_back = [
+        step["median_us"] / alone["median_us"]
+        for step, alone in zip(
+            rows(small, "step", "foreach"), rows(small, f"{baseline} alone, before profiling"), strict=True
+        )
+    ]
+    assert f"a whole step is {min(back_to_back):.2f}-{max(back_to_back):.2f}x, run by run" in flat
     assert f"reading every `p.grad` ({span(small, 'read p.grad')}x)" in flat
     assert f"setting each to None ({span(small, 'release p.grad')}x)" in flat
     assert f"takes {span(small, loop, 'foreach', 'x_plain_backward')}x plain PyTorch's" in flat
