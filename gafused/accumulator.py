@@ -870,7 +870,7 @@ class GradAccumulator(torch.optim.Optimizer):
         ended_before = None if opened else micro.ends_window
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
-        unreduced_before = self._sync.unreduced_fingerprint()  # (FSDP2 with its sync off)
+        unreduced_before = self._sync.unreduced_fingerprint()  # what FSDP2 holds unreduced (usually None)
         autograd_ran = False
         # From here on a failure (an interrupt too, which lands as any call returns) is undone below: the micro-batch
         # this call opened or declared the last, and the wrapper's sync setting, go back to what they were.
@@ -892,11 +892,7 @@ class GradAccumulator(torch.optim.Optimizer):
             self._fold_held_buckets(self._held_grads())
         except BaseException as error:
             self._hooks.stop(learn=False)
-            lost = (
-                autograd_ran
-                and micro is not None
-                and self._sync.loses_window(self._hooks.landed_any(), unreduced_before)
-            )
+            lost = autograd_ran and self._sync.loses_window(self._hooks.landed_any(), unreduced_before)
             if micro is not None and (micro.folded_in_call or lost):
                 # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window; or
                 # (FSDP2) it may be on another rank, which discards the window.

@@ -173,7 +173,7 @@ class Sync:
         return False
 
     def backward_failed(self) -> str | None:
-        """Record a backward that failed once autograd ran; what to do before the next forward (None: nothing)."""
+        """After a backward that failed once autograd ran: what to do before the next forward (None: nothing)."""
         return None
 
     def check_backward_recovered(self, what: str) -> None:
@@ -538,13 +538,6 @@ class FSDPSync(Sync):
         # (its reset_iter_state() does not drop those).
         return landed or self.unreduced_fingerprint() != unreduced_before
 
-    def _mid_backward(self) -> bool:
-        # FSDP queues its backward's final callback (which reduces what is left, reshards and resets its state) as
-        # the first of its modules' backward starts; a backward that fails never runs it, and FSDP's next backward
-        # neither queues it again nor reduces anything.
-        context = getattr(self._model._get_fsdp_state(), "_state_ctx", None)
-        return bool(getattr(context, "post_backward_final_callback_queued", False))
-
     def _recovery(self) -> str:
         if hasattr(self._model, "reset_iter_state"):
             return (
@@ -557,9 +550,12 @@ class FSDPSync(Sync):
         )
 
     def _stuck(self) -> bool:
-        # Between backwards, FSDP is mid-backward only after one that failed (this accumulator's or a plain
-        # loss.backward()); a compiled-autograd backward leaves the same flag set when it succeeds.
-        return self._mid_backward() and not _compiled_autograd()
+        # FSDP queues its backward's final callback (which reduces what is left, reshards and resets its state) as
+        # the first of its modules' backward starts; a backward that fails never runs it, and FSDP's next backward
+        # neither queues it again nor reduces anything. Between backwards the flag is set only after one that failed
+        # (this accumulator's or a plain loss.backward()), or after a compiled-autograd backward that succeeded.
+        context = getattr(self._model._get_fsdp_state(), "_state_ctx", None)
+        return bool(getattr(context, "post_backward_final_callback_queued", False)) and not _compiled_autograd()
 
     def backward_failed(self) -> str | None:
         if not self._stuck():

@@ -328,8 +328,8 @@ def _small_runs(views: _Views, grads: list[torch.Tensor | None], acc: torch.Tens
     is not known: made once per layout, that of gradients from ``gafused.ops.check_grads`` whose ``shapes`` list is
     the one the views were last shaped for (its gradients' dtypes and missing entries are the same on every call
     with that list); other gradient lists are added per segment."""
-    known = getattr(grads, "shapes", None)
-    if known is None or known is not views.shapes:
+    known = getattr(grads, "shapes", None)  # (``_shaped_like`` has just made it ``views.shapes``)
+    if known is None:
         return None
     if views.small_runs_for is known:
         return views.small_runs
@@ -374,7 +374,6 @@ def _small_runs(views: _Views, grads: list[torch.Tensor | None], acc: torch.Tens
             acc.device, grad.element_size() if dtype == acc.dtype else 24 if dtype == torch.float64 else 16
         )
     close(len(grads))
-    rest.sort()
     small = _SmallRuns(runs, rest) if runs else None
     views.small_runs_for, views.small_runs = known, small
     return small
