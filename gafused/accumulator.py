@@ -871,6 +871,7 @@ class GradAccumulator(torch.optim.Optimizer):
         # What p.grad held before this call (usually None): restored if the call fails before folding anything.
         held_before = [_grads_and_versions(group.params) for group in self._groups]
         unreduced_before = self._sync.unreduced_fingerprint()  # what FSDP2 holds unreduced (usually None)
+        others_before: dict[GradAccumulator, _OthersBefore] = {}
         autograd_ran = False
         # From here on a failure (an interrupt too, which lands as any call returns) is undone below: the micro-batch
         # this call opened or declared the last, and the wrapper's sync setting, go back to what they were.
@@ -921,6 +922,15 @@ class GradAccumulator(torch.optim.Optimizer):
                     self._close_micro_batch()  # also one that failed while opening
                 else:
                     micro.ends_window = ended_before
+            if others_before:
+                kept = self._undo_for_others(others_before, micro)
+                if kept:
+                    _add_note(
+                        error,
+                        f"gafused: the failed call added in place to gradients held by {kept} other accumulator(s) "
+                        "over this loss (in p.grad, or unreduced by FSDP): their step() and backward() refuse those "
+                        "until they are dropped; the gradients it gave their parameters anew were put back",
+                    )
             advice = self._sync.backward_failed() if autograd_ran else None
             if advice is not None:
                 _add_note(error, f"gafused: {advice}")
@@ -928,6 +938,42 @@ class GradAccumulator(torch.optim.Optimizer):
         micro.folded = micro.folded or micro.folded_in_call
         if others_before:
             self._tell_others(others_before, micro)
+
+    def _undo_for_others(self, before: dict[GradAccumulator, _OthersBefore], micro: _MicroBatch) -> int:
+        """After a failed backward(): put back the ``p.grad`` it gave the other accumulators' parameters (a finished
+        gradient handed out stays released, as the backward's hook left it, also on success). A held gradient it added
+        to in place, or what FSDP holds unreduced for them if it added to that, cannot be taken apart any more: a
+        record makes that accumulator refuse them until they are dropped. Returns how many accumulators have one."""
+        published = {
+            id(view)
+            for accumulator in list(_LIVE_ACCUMULATORS or ())
+            for group in accumulator._groups
+            for view in group.published or ()
+            if view is not None
+        }
+        kept = 0
+        for other, (params, unreduced_before, earlier) in before.items():
+            changed: list[weakref.ref] = []
+            for param, grad, version in params:
+                if id(param) in self._managed_ids:
+                    continue  # this accumulator's own parameter: put back or dropped above
+                if param.grad is not grad:
+                    param.grad = None if grad is not None and id(grad) in published else grad
+                if param.grad is not None and _grad_version(param.grad) != version:
+                    changed.append(weakref.ref(param.grad))
+            unreduced = other._sync.unreduced_fingerprint()
+            held = _held_tags(unreduced) if unreduced is not None and unreduced != unreduced_before else None
+            if not changed and held is None:
+                continue
+            record = _WeightedElsewhere(
+                micro.counted, micro.weight, changed, held, conflict=True, failed=True, source=(id(self), micro.serial)
+            )
+            if earlier is not None:  # what it recorded is in those gradients too
+                record.produced += earlier.produced
+                record.unreduced = record.unreduced or earlier.unreduced
+            other._weighted_elsewhere = record
+            kept += 1
+        return kept
 
     def _others_grads(self) -> dict[GradAccumulator, _OthersBefore]:
         """Every other live accumulator's parameters with their ``p.grad`` and its version, what FSDP (its sync
@@ -972,6 +1018,7 @@ class GradAccumulator(torch.optim.Optimizer):
             again = earlier is not None and earlier.source[0] == id(self) and earlier.source[1] != micro.serial
             if earlier is not None and (earlier.conflict or again or not _same_given(earlier.given, given)):
                 record.conflict = True
+                record.failed = earlier.failed
                 record.produced += earlier.produced
                 record.unreduced = record.unreduced or earlier.unreduced
             other._weighted_elsewhere = record
@@ -1014,6 +1061,17 @@ class GradAccumulator(torch.optim.Optimizer):
             drop = (
                 "FSDP holds or held them unreduced (its gradient sync off), summed with any earlier micro-batch of "
                 "the window: zero_grad() drops them at the window's first micro-batch; past it, " + _DROP_WINDOW
+            )
+        if elsewhere.failed:
+            raise RuntimeError(
+                f"{call}: gradients it would fold hold part of another accumulator's backward() that failed, added "
+                "to what they held, which cannot be taken out of them (nothing changed); "
+                + (
+                    "drop them (p.grad = None on this accumulator's parameters, or zero_grad()) and run what they "
+                    "held again"
+                    if elsewhere.unreduced is None
+                    else drop
+                )
             )
         if elsewhere.conflict:
             raise ValueError(
@@ -2783,6 +2841,7 @@ class _WeightedElsewhere:
     produced: list[weakref.ref]  # the gradients it gave this accumulator's parameters
     unreduced: tuple[int, ...] | None = None  # FSDP2, its sync off: the tags of what FSDP held unreduced after it
     conflict: bool = False  # added to gradients an earlier backward gave, still held (another micro-batch or weight)
+    failed: bool = False  # a failed backward added to gradients held (in place: they cannot be put back)
     source: tuple[int, int] = (0, 0)  # (id of the accumulator whose backward gave them, its micro-batch's serial)
 
 

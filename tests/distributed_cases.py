@@ -1219,9 +1219,9 @@ def run_sync_off_way_out(rank: int) -> dict[str, Any]:
     return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
 
 
-def dropped_first_window_truth() -> list[torch.Tensor]:
-    """Float64, one process, ``WAY_OUT_WINDOWS`` windows of ``N``: the first window is dropped; the others step every
-    layer."""
+def dropped_first_window_truth(dropped: bool = True) -> list[torch.Tensor]:
+    """Float64, one process, ``WAY_OUT_WINDOWS`` windows of ``N``: the first window is dropped (unless not
+    ``dropped``); the others step every layer."""
     model = make_model(torch.float64)
     for window in range(WAY_OUT_WINDOWS):
         total, weight_sum = torch.zeros((), dtype=torch.float64), 0.0
@@ -1230,7 +1230,7 @@ def dropped_first_window_truth() -> list[torch.Tensor]:
                 x, y = micro_batch(rank, window, micro, dtype=torch.float64)
                 total = total + x.shape[0] * token_losses(model, x, y).mean()
                 weight_sum += x.shape[0]
-        if window == 0:
+        if window == 0 and dropped:
             continue
         model.zero_grad()
         (total / weight_sum).backward()
@@ -1299,6 +1299,57 @@ def run_failed_backward(rank: int, sync_off: bool, last_layer_input: bool = Fals
             said[f"step {window} {micro}"] = _said(RuntimeError, opt.step)
             opt.zero_grad()
     return {"said": said, "stepped": opt.stepped, "params": [_full(param) for param in model.parameters()]}
+
+
+def run_split_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
+    """FSDP2, two accumulators over one loss (the first layer, the rest), the second stepped with the first's weight:
+    the first's backward of the first window's second micro-batch fails on every rank after FSDP reduced the later
+    layers' gradients into the second's ``p.grad`` (its sync on) or added them to what it holds unreduced of the
+    first micro-batch (sync off), before the first layer's: the first keeps its window. The gradients it gave the
+    second are put back (none), and after FSDP's reset_iter_state() the micro-batch runs again and the windows go
+    on. What FSDP holds unreduced cannot be put back: the second's step() refuses it, and both accumulators leave
+    the window by loading the state_dict() each gave before it; two windows then run through."""
+    import gafused
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("bad batch")
+
+    failing = [False]
+
+    def arm(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        if failing[0]:
+            out.register_hook(explode)
+
+    model = _wrap("fsdp", rank)
+    if sync_off:
+        model.set_requires_gradient_sync(False)
+    model[0].register_forward_hook(arm)
+    params = list(model.parameters())
+    opts = [gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model) for part in (params[:2], params[2:])]
+    first, second = opts
+    saved = [opt.state_dict() for opt in opts]
+    said: dict[str, str] = {}
+    for window in range(WAY_OUT_WINDOWS):
+        for micro in range(N):
+            x, y = micro_batch(rank, window, micro)
+            failing[0] = (window, micro) == (0, 1)
+            if failing[0]:
+                said["failed"] = _said(
+                    RuntimeError, first.backward, token_losses(model, x, y).mean(), weight=x.shape[0]
+                )
+                said["second's gradients after the failure"] = str([param.grad is None for param in params[2:]])
+                said["micro_steps after the failure"] = str([opt.micro_step for opt in opts])
+                model.reset_iter_state()
+                failing[0] = False
+                if sync_off:
+                    said["second step after the failure"] = _said(RuntimeError, second.step, weight=x.shape[0])
+                    for opt, state in zip(opts, saved, strict=True):
+                        opt.load_state_dict(state)
+                    break  # the window is gone: the loop starts the next one
+            first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+            first.step()
+            said[f"step {window} {micro}"] = _said((ValueError, RuntimeError), second.step, weight=x.shape[0])
+    return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
 
 
 def run_failed_before_fsdp_held_more(rank: int, how: str) -> dict[str, Any]:
@@ -1862,6 +1913,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     for sync_off in (False, True):
         _recorded(results, f"failed backward, sync off {sync_off}", run_failed_backward, rank, sync_off)
     _recorded(results, "failed backward before fsdp reduced", run_failed_backward, rank, False, True)
+    for sync_off in (False, True):
+        _recorded(results, f"split failed backward, sync off {sync_off}", run_split_failed_backward, rank, sync_off)
     for how in ("interrupt", "loss hook"):
         _recorded(results, f"failed before fsdp held more: {how}", run_failed_before_fsdp_held_more, rank, how)
     _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)

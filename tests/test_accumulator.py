@@ -2333,6 +2333,82 @@ def test_a_second_accumulator_takes_the_weight_of_the_backward_that_gave_its_gra
     assert second.micro_step == 2
 
 
+def _raise_once(param, failing):
+    """A hook on ``param`` that raises while ``failing[0]``: the backward fails after autograd gave the later layers
+    (the second accumulator's parameters) their gradients, before it reached ``param``."""
+
+    def hook(grad):
+        if failing[0]:
+            raise RuntimeError("bad batch")
+
+    return param.register_hook(hook)
+
+
+@pytest.mark.parametrize("failing_micro", [0, 1])
+def test_a_failed_backward_puts_back_the_gradients_it_gave_another_accumulator(backend, failing_micro):
+    """Two optimizers over one model: the first's backward(loss, weight=w) fails after autograd gave the second's
+    parameters their gradients. Those stayed in the second's p.grad, so running the micro-batch again folded it
+    twice into the second's window, silently (0.37 off). Now they are put back as they were: none, also where the
+    second's finished gradients were handed out (at a window's first micro-batch: they stay released, as the
+    backward's hook left them); both then step as one accumulator over the model, bitwise."""
+    whole, split = _model(), _model()
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    failing = [False]
+    _raise_once(params[0], failing)
+    for index, (x, y) in enumerate(_data([3, 5, 2, 4])):
+        one.backward(_loss(whole, x, y), weight=len(x))
+        one.step()
+        if index == 2 + failing_micro:
+            failing[0] = True
+            with pytest.raises(RuntimeError, match="bad batch"):
+                first.backward(_loss(split, x, y), weight=len(x))
+            failing[0] = False
+            assert all(param.grad is None for param in params[2:])
+            assert (first.micro_step, second.micro_step) == (failing_micro, failing_micro)
+        first.backward(_loss(split, x, y), weight=len(x))
+        first.step()
+        second.step(weight=len(x))
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("call", ["step", "backward"])
+def test_gradients_a_failed_backward_added_to_are_refused_by_the_other_accumulator(backend, call):
+    """The second accumulator holds its own loss.backward()'s gradients; the first's backward fails after adding to
+    them in place, which cannot be undone. The failure's note says so, and the second's step() and backward()
+    refuse them, nothing changed, until they are dropped; then they go through."""
+    split, first, second = _split_accumulators(backend)
+    params = list(split.parameters())
+    (x, y), (x2, y2) = _data([3, 5])
+    _loss(split, x, y).backward()  # the second's micro-batch (the first's gradients dropped)
+    first.zero_grad()
+    held = [param.grad for param in params[2:]]
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    assert "added in place to gradients held by 1 other accumulator(s)" in " ".join(failed.value.__notes__)
+    added = [param.grad.clone() for param in params[2:]]
+    assert all(param.grad is grad for param, grad in zip(params[2:], held, strict=True))
+    refused = (lambda: second.step()) if call == "step" else (lambda: second.backward(_loss(split, x, y)))
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^{call}\(\): gradients it would fold hold part of another accumulator's "
+        r"backward\(\) that failed.*nothing changed\); drop them",
+    ):
+        refused()
+    assert second.micro_step == 0 and first.micro_step == 0
+    assert all(torch.equal(param.grad, grad) for param, grad in zip(params[2:], added, strict=True))
+    second.zero_grad()
+    first.zero_grad()
+    second.backward(_loss(split, x, y))
+    second.step()
+    assert second.micro_step == 1
+
+
 def _split_accumulators(backend, steps=2):
     """A float64 tanh_mlp with two accumulators over it: ``first`` over its first layer, ``second`` over the rest."""
     split = tanh_mlp(seed=0, dtype=torch.float64)

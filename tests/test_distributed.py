@@ -395,6 +395,36 @@ def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
+@pytest.mark.parametrize("sync_off", [False, True])
+def test_fsdp_backward_failing_on_every_rank_puts_back_what_it_gave_another_accumulator(
+    ranks: list[dict], sync_off: bool
+) -> None:
+    """Two accumulators over one FSDP2 model: the first's backward fails on every rank after FSDP reduced the
+    second's gradients into its p.grad (sync on), before anything reached the first's buffers: they are put back
+    (none), where they used to stay, and the micro-batch run again was folded into the second's window twice,
+    silently. Now the windows go on, on the float64 truth. FSDP held them unreduced instead (sync off): that cannot
+    be put back, and the second's step() refuses it, naming the way out; after both load their state_dict() from
+    before the window, two windows land on the float64 truth of those two. Ranks bitwise equal."""
+    truth = cases.dropped_first_window_truth(dropped=sync_off)
+    initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
+    results = [_result(ranks, f"split failed backward, sync off {sync_off}", rank) for rank in range(cases.WORLD)]
+    for result in results:
+        said = result["said"]
+        assert "bad batch" in said["failed"], said["failed"]
+        assert said["second's gradients after the failure"] == "[True, True, True, True]"
+        assert said["micro_steps after the failure"] == "[1, 1]"
+        if sync_off:
+            refused = said["second step after the failure"]
+            assert refused.startswith(
+                "step(): gradients it would fold hold part of another accumulator's backward() that failed"
+            ), refused
+            assert "load every accumulator over the model with the state_dict() it gave" in refused, refused
+        assert {message for case, message in said.items() if case.startswith("step ")} == {"no error"}, said
+        assert all(result["stepped"])
+        assert _error(result["params"], truth, initial) < FP32_ERROR
+    assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
+
+
 @pytest.mark.parametrize("how", ["interrupt", "loss hook"])
 def test_fsdp_backward_failing_before_fsdp_held_more_keeps_the_window(ranks: list[dict], how: str) -> None:
     """FSDP2 with its sync off: a backward() failing on every rank before FSDP added anything of it to what it holds
