@@ -1188,19 +1188,28 @@ def run_sync_off_records(rank: int, case: str) -> dict[str, Any]:
 WAY_OUT_WINDOWS = 3  # the first window's conflict, then two windows run through
 
 
+def _split_over_fsdp(
+    rank: int, sync_off: bool
+) -> tuple[torch.nn.Module, list[torch.Tensor], list[Any], list[dict[str, Any]]]:
+    """An FSDP2 model with two accumulators over it (the first layer, the rest), and the state_dict() each gave
+    before the first window."""
+    import gafused
+
+    model = _wrap("fsdp", rank)
+    if sync_off:
+        model.set_requires_gradient_sync(False)
+    params = list(model.parameters())
+    opts = [gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model) for part in (params[:2], params[2:])]
+    return model, params, opts, [opt.state_dict() for opt in opts]
+
+
 def run_sync_off_way_out(rank: int) -> dict[str, Any]:
     """FSDP2, its sync off, two accumulators over one loss (the first layer, the rest): the second steps the first
     micro-batch, then misses the second's step(), so the third leaves two micro-batches in what FSDP holds of its
     parameters. Nothing counts them as one; the way out is loading both accumulators with the state_dict() each gave
     between windows, before the first's step() ends its window. Then two windows run through."""
-    import gafused
-
-    model = _wrap("fsdp", rank)
-    model.set_requires_gradient_sync(False)
-    params = list(model.parameters())
-    opts = [gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model) for part in (params[:2], params[2:])]
+    model, params, opts, saved = _split_over_fsdp(rank, sync_off=True)
     first, second = opts
-    saved = [opt.state_dict() for opt in opts]
     said: dict[str, str] = {}
     for window in range(WAY_OUT_WINDOWS):
         for micro in range(N):
@@ -1309,7 +1318,6 @@ def run_split_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
     second are put back (none), and after FSDP's reset_iter_state() the micro-batch runs again and the windows go
     on. What FSDP holds unreduced cannot be put back: the second's step() refuses it, and both accumulators leave
     the window by loading the state_dict() each gave before it; two windows then run through."""
-    import gafused
 
     def explode(grad: torch.Tensor) -> None:
         raise RuntimeError("bad batch")
@@ -1320,14 +1328,9 @@ def run_split_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
         if failing[0]:
             out.register_hook(explode)
 
-    model = _wrap("fsdp", rank)
-    if sync_off:
-        model.set_requires_gradient_sync(False)
+    model, params, opts, saved = _split_over_fsdp(rank, sync_off)
     model[0].register_forward_hook(arm)
-    params = list(model.parameters())
-    opts = [gafused.GradAccumulator(torch.optim.SGD(part, lr=LR), N, model=model) for part in (params[:2], params[2:])]
     first, second = opts
-    saved = [opt.state_dict() for opt in opts]
     said: dict[str, str] = {}
     for window in range(WAY_OUT_WINDOWS):
         for micro in range(N):
