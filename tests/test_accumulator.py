@@ -2409,6 +2409,127 @@ def test_gradients_a_failed_backward_added_to_are_refused_by_the_other_accumulat
     assert second.micro_step == 1
 
 
+def test_a_failed_backward_puts_back_the_very_gradients_it_replaced_out_of_place(backend):
+    """With create_graph=True autograd adds into a held p.grad out of place (a new tensor): the second accumulator's
+    own loss.backward() gradients are still intact, so the failed backward puts those very tensors back, with no
+    refusal and no note about gradients added to in place; the second then steps them as if nothing had failed."""
+    split, first, second = _split_accumulators(backend)
+    params = list(split.parameters())
+    (x, y), (x2, y2) = _data([3, 5])
+    _loss(split, x, y).backward()  # the second's micro-batch
+    first.zero_grad()
+    held = [param.grad for param in params[2:]]
+    values = [grad.clone() for grad in held]
+    failing = [True]
+    _raise_once(params[0], failing)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="bad batch") as failed:
+        warnings.filterwarnings("ignore", message=".*create_graph=True", category=UserWarning)
+        first.backward(_loss(split, x2, y2), weight=5, create_graph=True)
+    failing[0] = False
+    assert not any("other accumulator" in note for note in getattr(failed.value, "__notes__", []))
+    assert all(param.grad is grad for param, grad in zip(params[2:], held, strict=True))
+    assert all(torch.equal(grad, value) for grad, value in zip(held, values, strict=True))
+    second.step(weight=3)
+    assert second.micro_step == 1 and all(param.grad is None for param in params[2:])
+
+
+def test_a_failed_backward_leaves_the_finished_gradients_it_did_not_reach(backend):
+    """The second accumulator over the first layer stepped: its p.grad are its finished gradients, readable until a
+    backward reaches them. The first's backward (over the last layer) fails before autograd reaches the first layer:
+    those finished gradients are still in p.grad, as a failed plain backward would leave them."""
+    split = _model()
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 1, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 1, backend=backend)
+    (x, y), (x2, y2) = _data([3, 5])
+    first.backward(_loss(split, x, y), weight=3)
+    first.step()
+    second.step(weight=3)
+    assert second.stepped
+    finished = [param.grad for param in params[:2]]
+    assert all(grad is not None for grad in finished)
+    failing = [True]
+    _raise_once(params[2], failing)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    assert all(param.grad is grad for param, grad in zip(params[:2], finished, strict=True))
+
+
+def test_a_failed_backward_retried_in_its_micro_batch_is_still_refused_by_the_other_accumulator(backend):
+    """The first's micro-batch takes two backward() calls; the second call fails after adding in place to the
+    gradients the first call gave the second accumulator, before reaching the first's own (its micro-batch stays
+    open). Running the failed call again succeeds, and adds the whole loss once more into those gradients: they
+    hold it one time and a part, so the second's step() still refuses them as a failed backward's, whatever the
+    weight, until they are dropped."""
+    split, first, second = _split_accumulators(backend)
+    params = list(split.parameters())
+    ((x, y),) = _data([4])
+    failing = [False]
+    _raise_once(params[0], failing)
+    first.backward(_loss(split, x[:2], y[:2]), weight=4)
+    failing[0] = True
+    with pytest.raises(RuntimeError, match="bad batch"):
+        first.backward(_loss(split, x[2:], y[2:]))
+    failing[0] = False
+    assert first.micro_step == 0 and all(param.grad is not None for param in params[2:])
+    first.backward(_loss(split, x[2:], y[2:]))
+    first.step()
+    for weight in (None, 4):
+        with pytest.raises(
+            RuntimeError, match=r"^step\(\): gradients it would fold hold part of another accumulator's"
+        ):
+            second.step(weight=weight)
+    assert second.micro_step == 0
+    second.zero_grad()
+    assert second._weight_from_elsewhere() is None
+
+
+def test_a_failed_backward_keeps_the_weight_of_the_earlier_backward_in_its_record(backend):
+    """The first call of the first's micro-batch (weight 4) gave the second's parameters their gradients; a second
+    call fails after adding in place to the last bias's alone. The record of the failure keeps the earlier call's
+    gradients too: dropping only the one the failed call reached still leaves the second refusing the rest (a
+    micro-batch with part of it dropped), where it used to forget that they were given with weight 4."""
+    split, first, second = _split_accumulators(backend)
+    params = list(split.parameters())
+    ((x, y),) = _data([4])
+    first.backward(_loss(split, x[:2], y[:2]), weight=4)
+    before = [param.grad._version for param in params[2:]]
+    failing = [True]
+    _raise_once(params[2], failing)  # autograd accumulates the last bias before the last weight
+    with pytest.raises(RuntimeError, match="bad batch"):
+        first.backward(_loss(split, x[2:], y[2:]))
+    failing[0] = False
+    assert [param.grad._version for param in params[2:]] == [before[0], before[1] + 1]
+    params[3].grad = None
+    with pytest.raises(RuntimeError, match=r"^step\(\): gradients it would fold hold part of another accumulator's"):
+        second.step()
+    assert second.micro_step == 0 and params[2].grad is not None
+
+
+def test_a_failed_backward_drops_what_it_added_to_in_place_in_a_parameter_it_shares_with_another(backend):
+    """Overlapping accumulators: the first over the whole model, the second over its last layer, which holds its own
+    loss.backward() gradients. The first's backward fails after adding into them in place, before folding: they are
+    its own parameters too, so they are dropped (its note says how many), not put back for the second, where the
+    first's retry would add to them again and fold the failed call's part twice."""
+    split = _model()
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params, lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 5])
+    torch.autograd.backward(_loss(split, x, y), inputs=params[2:])  # the second's micro-batch
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    notes = " ".join(failed.value.__notes__)
+    assert "2 gradient(s) held from an earlier loss.backward() were added to in place" in notes
+    assert "other accumulator" not in notes
+    assert all(param.grad is None for param in params)
+    assert first.micro_step == 0 and second._weight_from_elsewhere() is None
+
+
 def _split_accumulators(backend, steps=2):
     """A float64 tanh_mlp with two accumulators over it: ``first`` over its first layer, ``second`` over the rest."""
     split = tanh_mlp(seed=0, dtype=torch.float64)
