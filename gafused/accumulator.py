@@ -894,7 +894,8 @@ class GradAccumulator(torch.optim.Optimizer):
         except BaseException as error:
             self._hooks.stop(learn=False)
             lost = autograd_ran and self._sync.loses_window(self._hooks.landed_any(), unreduced_before)
-            if micro is not None and (micro.folded_in_call or lost):
+            discarded = micro is not None and (micro.folded_in_call or lost)
+            if discarded:
                 # Part of this micro-batch is in the buffers and cannot be told apart from the rest of the window; or
                 # (FSDP2) it may be on another rank, which discards the window.
                 self._discard_window()
@@ -923,13 +924,21 @@ class GradAccumulator(torch.optim.Optimizer):
                 else:
                     micro.ends_window = ended_before
             if others_before:
-                kept = self._undo_for_others(others_before, micro)
+                kept, reached = self._undo_for_others(others_before, micro)
                 if kept:
                     _add_note(
                         error,
-                        f"gafused: the failed call added in place to gradients held by {kept} other accumulator(s) "
-                        "over this loss (in p.grad, or unreduced by FSDP): their step() and backward() refuse those "
-                        "until they are dropped; the gradients it gave their parameters anew were put back",
+                        f"gafused: the failed call added to gradients held by {kept} other accumulator(s) over this "
+                        "loss (in place in p.grad, or what FSDP held unreduced): their step() and backward() refuse "
+                        "those until they are dropped; the gradients it gave their parameters anew were put back",
+                    )
+                open_elsewhere = [other.micro_step for other in reached if other._micro_step or other._micro]
+                if discarded and open_elsewhere:
+                    _add_note(
+                        error,
+                        f"gafused: {len(open_elsewhere)} other accumulator(s) over this loss keep their open windows "
+                        f"(micro_step {', '.join(map(str, open_elsewhere))}), now out of step with this one's; to drop "
+                        "theirs too, load each with the state_dict() it gave between windows",
                     )
             advice = self._sync.backward_failed() if autograd_ran else None
             if advice is not None:
@@ -939,11 +948,15 @@ class GradAccumulator(torch.optim.Optimizer):
         if others_before:
             self._tell_others(others_before, micro)
 
-    def _undo_for_others(self, before: dict[GradAccumulator, _OthersBefore], micro: _MicroBatch) -> int:
+    def _undo_for_others(
+        self, before: dict[GradAccumulator, _OthersBefore], micro: _MicroBatch
+    ) -> tuple[int, list[GradAccumulator]]:
         """After a failed backward(): put back the ``p.grad`` it gave the other accumulators' parameters (a finished
         gradient handed out stays released, as the backward's hook left it, also on success). A held gradient it added
-        to in place, or what FSDP holds unreduced for them if it added to that, cannot be taken apart any more: a
-        record makes that accumulator refuse them until they are dropped. Returns how many accumulators have one."""
+        to in place cannot be taken apart any more, nor what FSDP held unreduced for them if the call added to it or
+        reduced it into ``p.grad`` (its sync turned on for a window's last micro-batch: those stay): a record makes
+        that accumulator refuse them until they are dropped. Returns how many accumulators have one, and the others
+        whose parameters the call reached."""
         published = {
             id(view)
             for accumulator in list(_LIVE_ACCUMULATORS or ())
@@ -951,18 +964,26 @@ class GradAccumulator(torch.optim.Optimizer):
             for view in group.published or ()
             if view is not None
         }
-        kept = 0
+        kept, reached = 0, []
         for other, (params, unreduced_before, earlier) in before.items():
+            unreduced = other._sync.unreduced_fingerprint()
+            moved = unreduced != unreduced_before  # FSDP held more of them, or reduced what it held
+            held_in_grads = moved and unreduced_before is not None  # a new p.grad may hold earlier micro-batches
             changed: list[weakref.ref] = []
+            touched = moved
             for param, grad, version in params:
                 if id(param) in self._managed_ids:
                     continue  # this accumulator's own parameter: put back or dropped above
                 if param.grad is not grad:
-                    param.grad = None if grad is not None and id(grad) in published else grad
-                if param.grad is not None and _grad_version(param.grad) != version:
+                    touched = True
+                    if not held_in_grads:
+                        param.grad = None if grad is not None and id(grad) in published else grad
+                if param.grad is not None and (param.grad is not grad or _grad_version(param.grad) != version):
+                    touched = True
                     changed.append(weakref.ref(param.grad))
-            unreduced = other._sync.unreduced_fingerprint()
-            held = _held_tags(unreduced) if unreduced is not None and unreduced != unreduced_before else None
+            if touched:
+                reached.append(other)
+            held = _held_tags(unreduced if unreduced is not None else unreduced_before) if moved else None
             if not changed and held is None:
                 continue
             record = _WeightedElsewhere(
@@ -973,7 +994,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 record.unreduced = record.unreduced or earlier.unreduced
             other._weighted_elsewhere = record
             kept += 1
-        return kept
+        return kept, reached
 
     def _others_grads(self) -> dict[GradAccumulator, _OthersBefore]:
         """Every other live accumulator's parameters with their ``p.grad`` and its version, what FSDP (its sync

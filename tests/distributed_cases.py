@@ -1310,14 +1310,16 @@ def run_failed_backward(rank: int, sync_off: bool, last_layer_input: bool = Fals
     return {"said": said, "stepped": opt.stepped, "params": [_full(param) for param in model.parameters()]}
 
 
-def run_split_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
+def run_split_failed_backward(rank: int, sync_off: bool, failing_micro: int = 1) -> dict[str, Any]:
     """FSDP2, two accumulators over one loss (the first layer, the rest), the second stepped with the first's weight:
     the first's backward of the first window's second micro-batch fails on every rank after FSDP reduced the later
     layers' gradients into the second's ``p.grad`` (its sync on) or added them to what it holds unreduced of the
     first micro-batch (sync off), before the first layer's: the first keeps its window. The gradients it gave the
     second are put back (none), and after FSDP's reset_iter_state() the micro-batch runs again and the windows go
     on. What FSDP holds unreduced cannot be put back: the second's step() refuses it, and both accumulators leave
-    the window by loading the state_dict() each gave before it; two windows then run through."""
+    the window by loading the state_dict() each gave before it; two windows then run through. With ``failing_micro``
+    the window's last (sync off): the wrapper turns FSDP's sync on for it, and FSDP reduces what it held of the
+    earlier micro-batches into the second's ``p.grad`` with the failed call's part; those stay, refused alike."""
 
     def explode(grad: torch.Tensor) -> None:
         raise RuntimeError("bad batch")
@@ -1335,12 +1337,14 @@ def run_split_failed_backward(rank: int, sync_off: bool) -> dict[str, Any]:
     for window in range(WAY_OUT_WINDOWS):
         for micro in range(N):
             x, y = micro_batch(rank, window, micro)
-            failing[0] = (window, micro) == (0, 1)
+            failing[0] = (window, micro) == (0, failing_micro)
             if failing[0]:
-                said["failed"] = _said(
-                    RuntimeError, first.backward, token_losses(model, x, y).mean(), weight=x.shape[0]
-                )
-                said["second's gradients after the failure"] = str([param.grad is None for param in params[2:]])
+                try:
+                    first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+                    said["failed"] = "no error"
+                except RuntimeError as error:
+                    said["failed"] = " ".join([str(error), *getattr(error, "__notes__", [])])
+                said["second's gradients after the failure"] = str([param.grad is not None for param in params[2:]])
                 said["micro_steps after the failure"] = str([opt.micro_step for opt in opts])
                 model.reset_iter_state()
                 failing[0] = False
@@ -1916,8 +1920,15 @@ def _rank(rank: int, port: int, out: str) -> None:
     for sync_off in (False, True):
         _recorded(results, f"failed backward, sync off {sync_off}", run_failed_backward, rank, sync_off)
     _recorded(results, "failed backward before fsdp reduced", run_failed_backward, rank, False, True)
-    for sync_off in (False, True):
-        _recorded(results, f"split failed backward, sync off {sync_off}", run_split_failed_backward, rank, sync_off)
+    for sync_off, failing_micro in ((False, 1), (True, 1), (True, N - 1)):
+        _recorded(
+            results,
+            f"split failed backward, sync off {sync_off}, micro-batch {failing_micro}",
+            run_split_failed_backward,
+            rank,
+            sync_off,
+            failing_micro,
+        )
     for how in ("interrupt", "loss hook"):
         _recorded(results, f"failed before fsdp held more: {how}", run_failed_before_fsdp_held_more, rank, how)
     _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)

@@ -2390,7 +2390,7 @@ def test_gradients_a_failed_backward_added_to_are_refused_by_the_other_accumulat
     with pytest.raises(RuntimeError, match="bad batch") as failed:
         first.backward(_loss(split, x2, y2), weight=5)
     failing[0] = False
-    assert "added in place to gradients held by 1 other accumulator(s)" in " ".join(failed.value.__notes__)
+    assert "the failed call added to gradients held by 1 other accumulator(s)" in " ".join(failed.value.__notes__)
     added = [param.grad.clone() for param in params[2:]]
     assert all(param.grad is grad for param, grad in zip(params[2:], held, strict=True))
     refused = (lambda: second.step()) if call == "step" else (lambda: second.backward(_loss(split, x, y)))
@@ -2528,6 +2528,45 @@ def test_a_failed_backward_drops_what_it_added_to_in_place_in_a_parameter_it_sha
     assert "other accumulator" not in notes
     assert all(param.grad is None for param in params)
     assert first.micro_step == 0 and second._weight_from_elsewhere() is None
+
+
+def test_a_failed_backward_that_discards_its_window_names_the_other_accumulators_open_windows(backend):
+    """The first accumulator folded part of the failed call (a bucket per gradient), so its window is discarded; the
+    second's stays open at its micro_step, out of step with the first's from then on. The note says so and names
+    the way out: loading each with the state_dict() it gave between windows, after which both run the window again
+    and step as one accumulator over the model, bitwise."""
+    whole, split = _model(), _model()
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend, bucket_bytes=8)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    saved = [first.state_dict(), second.state_dict()]
+    failing = [False]
+    _raise_once(params[0], failing)
+    batches = _data([3, 5])
+    (x, y), (x2, y2) = batches
+    first.backward(_loss(split, x, y), weight=3)
+    first.step()
+    second.step(weight=3)
+    failing[0] = True
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    notes = " ".join(failed.value.__notes__)
+    assert "the open accumulation window was discarded" in notes
+    assert "1 other accumulator(s) over this loss keep their open windows (micro_step 1), now out of step" in notes
+    assert "load each with the state_dict() it gave between windows" in notes
+    assert (first.micro_step, second.micro_step) == (0, 1)
+    first.load_state_dict(saved[0])
+    second.load_state_dict(saved[1])
+    for x, y in batches:
+        one.backward(_loss(whole, x, y), weight=len(x))
+        one.step()
+        first.backward(_loss(split, x, y), weight=len(x))
+        first.step()
+        second.step(weight=len(x))
+    assert one.stepped and first.stepped and second.stepped
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters(), strict=True))
 
 
 def _split_accumulators(backend, steps=2):

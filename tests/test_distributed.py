@@ -395,25 +395,30 @@ def test_fsdp_backward_failing_on_every_rank_discards_the_window_everywhere(
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
-@pytest.mark.parametrize("sync_off", [False, True])
+@pytest.mark.parametrize(("sync_off", "micro"), [(False, 1), (True, 1), (True, cases.N - 1)])
 def test_fsdp_backward_failing_on_every_rank_puts_back_what_it_gave_another_accumulator(
-    ranks: list[dict], sync_off: bool
+    ranks: list[dict], sync_off: bool, micro: int
 ) -> None:
     """Two accumulators over one FSDP2 model: the first's backward fails on every rank after FSDP reduced the
     second's gradients into its p.grad (sync on), before anything reached the first's buffers: they are put back
     (none), where they used to stay, and the micro-batch run again was folded into the second's window twice,
     silently. Now the windows go on, on the float64 truth. FSDP held them unreduced instead (sync off): that cannot
     be put back, and the second's step() refuses it, naming the way out; after both load their state_dict() from
-    before the window, two windows land on the float64 truth of those two. Ranks bitwise equal."""
+    before the window, two windows land on the float64 truth of those two. Also at the window's last micro-batch
+    (sync off), where FSDP reduced what it held of the earlier micro-batches into the second's p.grad with the failed
+    call's part: putting those back to none lost the earlier micro-batches, silently; they stay, and are refused.
+    Ranks bitwise equal."""
     truth = cases.dropped_first_window_truth(dropped=sync_off)
     initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
-    results = [_result(ranks, f"split failed backward, sync off {sync_off}", rank) for rank in range(cases.WORLD)]
+    name = f"split failed backward, sync off {sync_off}, micro-batch {micro}"
+    results = [_result(ranks, name, rank) for rank in range(cases.WORLD)]
     for result in results:
         said = result["said"]
         assert "bad batch" in said["failed"], said["failed"]
-        assert said["second's gradients after the failure"] == "[True, True, True, True]"
-        assert said["micro_steps after the failure"] == "[1, 1]"
+        assert said["second's gradients after the failure"] == str([micro == cases.N - 1] * 4)
+        assert said["micro_steps after the failure"] == str([micro, micro])
         if sync_off:
+            assert "other accumulator(s) over this loss" in said["failed"], said["failed"]
             refused = said["second step after the failure"]
             assert refused.startswith(
                 "step(): gradients it would fold hold part of another accumulator's backward() that failed"
