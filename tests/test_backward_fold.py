@@ -286,6 +286,67 @@ def test_bucket_hooks_hook_a_parameter_unfrozen_several_backward_calls_later():
     assert _bucket_outcomes([frozen, frozen, unfrozen, unfrozen], trainable_at_start=False) == ["ok"] * 4
 
 
+def _bucket_outcomes_of_three(calls, trainable_at_start=(True, True, True)):
+    """BucketHooks alone over one bucket of three parameters; per backward call, ``calls`` gives (the autograd
+    backward passes it runs, each a tuple of the parameters it reaches, by index; which parameters require grad).
+    Gradients land in index order within a pass. Per call, as ``_bucket_outcomes``: "ok", "early" or "held"."""
+    params = [torch.nn.Parameter(torch.ones(3), requires_grad=trainable) for trainable in trainable_at_start]
+    fired = []
+    used = set()
+
+    class Owner:
+        def on_bucket_ready(self, group_index, bucket_index):
+            fired.append(any(params[index].grad is None for index in used))
+
+    owner = Owner()
+    hooks = BucketHooks([FlatGradBuffer(params)], owner)
+    got = []
+    for passes, trainable in calls:
+        for param, flag in zip(params, trainable, strict=True):
+            param.requires_grad_(flag)
+            param.grad = None
+        used = {index for reached in passes for index in reached}
+        fired.clear()
+        hooks.start()
+        for reached in passes:
+            # built from the last index down: autograd runs the nodes built last first
+            sum(params[index].sum() for index in sorted(reached, reverse=True)).backward()
+        hooks.stop()
+        got.append("held" if not fired else "early" if fired[0] else "ok")
+    return got
+
+
+def test_bucket_hooks_count_a_parameter_whose_gradient_lands_twice_in_one_call_once():
+    """A parameter reached twice in one backward call (used inside and outside a reentrant checkpoint: two autograd
+    passes) is one gradient of its bucket: the count learned is one, so the next call that reaches it alone hands
+    the bucket over as it lands. Counted twice, the bucket would wait for a second gradient that a single pass never
+    gives, holding it (and its gradients' memory) to the end of the next backward."""
+    all_trainable = (True, True, True)
+    twice = (((0,), (0,)), all_trainable)
+    once = (((0,),), all_trainable)
+    # The first call learns (three hooked, one reached); counted twice, the second call would be held.
+    assert _bucket_outcomes_of_three([twice, once, once]) == ["held", "ok", "ok"]
+
+
+def test_bucket_hooks_handed_over_early_wait_for_every_parameter_not_for_the_larger_count():
+    """A bucket of three that learned one gradient and then got two is handed over early; it then waits for all
+    three (not for the two of that call), so a call that reaches all three hands it over as the last lands rather
+    than early again, before the third gradient exists."""
+    all_trainable = (True, True, True)
+    calls = [(((0,),), all_trainable), (((0, 1),), all_trainable), (((0, 1, 2),), all_trainable)]
+    assert _bucket_outcomes_of_three(calls) == ["held", "early", "ok"]
+
+
+def test_bucket_hooks_unfrozen_parameter_adds_one_to_a_learned_count_not_all():
+    """A bucket that learned fewer gradients than it has hooked parameters (one unused) waits, once a frozen
+    parameter of it is unfrozen, for one gradient more than it learned: the call that reaches the first parameter
+    and the unfrozen one hands it over as the second lands, not held to the end of backward waiting for the unused
+    one."""
+    frozen_second, unfrozen = (True, False, True), (True, True, True)
+    calls = [(((0,),), frozen_second), (((0,),), frozen_second), (((0, 1),), unfrozen), (((0, 1),), unfrozen)]
+    assert _bucket_outcomes_of_three(calls, trainable_at_start=frozen_second) == ["held", "ok", "ok", "ok"]
+
+
 def _counting(function, log, name):
     def wrapper(*args, **kwargs):
         log.append(name)

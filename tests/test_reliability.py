@@ -1024,6 +1024,70 @@ def test_a_checkpoint_whose_device_weight_was_bad_loads_and_its_window_is_refuse
     assert target.micro_step == 0 and not target.stepped
 
 
+def test_a_flagged_window_a_float32_accumulator_cannot_scale_still_loads_and_is_refused_at_its_end():
+    """A window whose device weight was bad (bad_weight set) is refused at its end whatever its weight sum; its
+    checkpoint loads as the run it resumes would have gone on, even with a sum float32 buffers cannot scale by (1e39,
+    beyond float32's 8.5e37, that a float64 window can). Refusing it at load as "resume it with float64" would name
+    the wrong cause and turn away a checkpoint that the window's end settles."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    x = torch.ones(1, 3)
+
+    def accumulator(accum_dtype):
+        return GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, accum_dtype=accum_dtype)
+
+    source = accumulator(torch.float64)
+    source.backward(model(x).sum(), weight=1.0)
+    source.step()
+    state = copy.deepcopy(source.state_dict())
+    del source
+    state["gafused"]["weight_sum"] = torch.tensor(1e39, dtype=torch.float64)
+    state["gafused"]["bad_weight"] = torch.tensor(True)
+    before = model.weight.detach().clone()
+    target = accumulator(torch.float32)
+    target.load_state_dict(state)
+    assert target.micro_step == 1
+    for micro in range(2):
+        target.backward(model(x).sum(), weight=1.0)
+        if micro == 0:
+            target.step()
+    with pytest.raises(ValueError, match="weight: a weight of this window was refused at its end"):
+        target.step()
+    assert target.micro_step == 0 and not target.stepped
+    assert torch.equal(model.weight.detach(), before)
+
+
+def test_a_mean_window_whose_sum_is_exactly_the_largest_float64_can_scale_is_refused_by_float32_buffers():
+    """The edge of the refusal above: a float64 window whose weights sum to exactly 1 / tiny (2**1022, the largest
+    sum float64 can scale by, itself a weight float64 takes) is one its own buffers finish, so float32 buffers refuse
+    it at load, naming weight_sum; an off-by-one edge (``<`` for ``<=``) would load it and refuse it at its end."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    x = torch.ones(1, 3)
+    edge = 1 / torch.finfo(torch.float64).tiny
+    assert edge == 2.0**1022
+
+    def accumulator(accum_dtype):
+        return GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, accum_dtype=accum_dtype)
+
+    source = accumulator(torch.float64)
+    source.backward(model(x).sum(), weight=edge)
+    source.step()
+    state = copy.deepcopy(source.state_dict())
+    assert state["gafused"]["weight_sum"].item() == edge
+    del source
+    target = accumulator(torch.float32)
+    before = _everything(target)
+    with pytest.raises(ValueError, match=r"\['weight_sum'\]: the open window's weights sum to .* "
+                       r"resume it with accum_dtype=torch\.float64"):  # fmt: skip
+        target.load_state_dict(state)
+    after = _everything(target)
+    assert before[:2] == after[:2] and after[1] == 0
+    resumed = accumulator(torch.float64)
+    resumed.load_state_dict(state)
+    assert resumed.micro_step == 1
+
+
 @pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("normalization", ["mean", "sum"])
 def test_a_window_whose_weights_overflowed_to_inf_checkpoints_and_ends_as_its_normalization_says(
