@@ -1359,6 +1359,33 @@ def run_split_failed_backward(rank: int, sync_off: bool, failing_micro: int = 1)
     return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
 
 
+def run_split_failed_before_fsdp_held_more(rank: int) -> dict[str, Any]:
+    """FSDP2, its sync off, two accumulators over one loss (the first layer, the rest): the first's backward of the
+    first window's second micro-batch fails on every rank in a hook on the loss, before FSDP added anything to what
+    it holds unreduced of the second's parameters (the first micro-batch's, counted by the second's step()). Nothing
+    of the failed call is in them: the second keeps no record of it, the micro-batch runs again and the windows go
+    on as if nothing failed."""
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("bad batch")
+
+    model, params, opts, _ = _split_over_fsdp(rank, sync_off=True)
+    first, second = opts
+    said: dict[str, str] = {}
+    for window in range(WAY_OUT_WINDOWS):
+        for micro in range(N):
+            x, y = micro_batch(rank, window, micro)
+            if (window, micro) == (0, 1):
+                loss = token_losses(model, x, y).mean()
+                loss.register_hook(explode)
+                said["failed"] = _said(RuntimeError, first.backward, loss, weight=x.shape[0])
+                said["second's record after the failure"] = str(second._weighted_elsewhere is not None)
+            first.backward(token_losses(model, x, y).mean(), weight=x.shape[0])
+            first.step()
+            said[f"step {window} {micro}"] = _said((ValueError, RuntimeError), second.step, weight=x.shape[0])
+    return {"said": said, "stepped": [opt.stepped for opt in opts], "params": [_full(param) for param in params]}
+
+
 def run_failed_before_fsdp_held_more(rank: int, how: str) -> dict[str, Any]:
     """FSDP2, its sync off: the first window's second backward() fails on every rank before FSDP added anything of
     it to the first micro-batch's gradients it holds unreduced: a Ctrl-C before autograd ran (as the wrapper's sync
@@ -1931,6 +1958,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         )
     for how in ("interrupt", "loss hook"):
         _recorded(results, f"failed before fsdp held more: {how}", run_failed_before_fsdp_held_more, rank, how)
+    _recorded(results, "split failed before fsdp held more", run_split_failed_before_fsdp_held_more, rank)
     _recorded(results, "fsdp fp16 overflow", run_fp16_overflow, rank)
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)

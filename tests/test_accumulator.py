@@ -2569,6 +2569,41 @@ def test_a_failed_backward_that_discards_its_window_names_the_other_accumulators
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters(), strict=True))
 
 
+def test_gradients_a_failed_backward_added_to_are_refused_until_all_are_dropped(backend):
+    """Three layers, the second accumulator over the last two: the first's backward() gave them gradients, then its
+    next backward() of the micro-batch fails after adding in place to the last layer's only. Dropping those alone
+    leaves the rest of that micro-batch's gradients, still refused; all dropped, the second steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)
+    ).to(torch.float64)
+    params = list(model.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    ((x, y),) = _data([3])
+    failing = [False]
+    _raise_once(params[2], failing)
+    first.backward(_loss(model, x, y), weight=3)
+    before = [(param.grad, param.grad._version) for param in params[2:]]
+    failing[0] = True
+    with pytest.raises(RuntimeError, match="bad batch"):
+        first.backward(_loss(model, x, y) * 0.5, weight=3)
+    failing[0] = False
+    changed = [
+        param.grad is not grad or param.grad._version != version
+        for param, (grad, version) in zip(params[2:], before, strict=True)
+    ]
+    assert changed[-2:] == [True, True] and not all(changed)
+    for param, was_changed in zip(params[2:], changed, strict=True):
+        if was_changed:
+            param.grad = None
+    with pytest.raises(RuntimeError, match="that failed"):
+        second.step(weight=3)
+    second.zero_grad()
+    second.step(weight=0)
+    assert second.micro_step == 1
+
+
 def _split_accumulators(backend, steps=2):
     """A float64 tanh_mlp with two accumulators over it: ``first`` over its first layer, ``second`` over the rest."""
     split = tanh_mlp(seed=0, dtype=torch.float64)

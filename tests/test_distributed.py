@@ -430,6 +430,23 @@ def test_fsdp_backward_failing_on_every_rank_puts_back_what_it_gave_another_accu
     assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
 
 
+def test_fsdp_backward_failing_before_fsdp_held_more_leaves_another_accumulator_unrecorded(ranks: list[dict]) -> None:
+    """Two accumulators over one FSDP2 model, its sync off: the first's backward fails on every rank in a hook on the
+    loss, before FSDP added anything to what it holds unreduced of the second's parameters. The second is not made
+    to refuse them: the micro-batch runs again and the windows land on the float64 truth. Ranks bitwise equal."""
+    truth = cases.dropped_first_window_truth(dropped=False)
+    initial = [p.detach() for p in cases.make_model(torch.float64).parameters()]
+    results = [_result(ranks, "split failed before fsdp held more", rank) for rank in range(cases.WORLD)]
+    for result in results:
+        said = result["said"]
+        assert "bad batch" in said["failed"], said["failed"]
+        assert said["second's record after the failure"] == "False"
+        assert {message for case, message in said.items() if case.startswith("step ")} == {"no error"}, said
+        assert all(result["stepped"])
+        assert _error(result["params"], truth, initial) < FP32_ERROR
+    assert all(map(torch.equal, results[0]["params"], results[1]["params"]))
+
+
 @pytest.mark.parametrize("how", ["interrupt", "loss hook"])
 def test_fsdp_backward_failing_before_fsdp_held_more_keeps_the_window(ranks: list[dict], how: str) -> None:
     """FSDP2 with its sync off: a backward() failing on every rank before FSDP added anything of it to what it holds
