@@ -1024,11 +1024,9 @@ def test_a_checkpoint_whose_device_weight_was_bad_loads_and_its_window_is_refuse
     assert target.micro_step == 0 and not target.stepped
 
 
-def test_a_flagged_window_a_float32_accumulator_cannot_scale_still_loads_and_is_refused_at_its_end():
-    """A window whose device weight was bad (bad_weight set) is refused at its end whatever its weight sum; its
-    checkpoint loads as the run it resumes would have gone on, even with a sum float32 buffers cannot scale by (1e39,
-    beyond float32's 8.5e37, that a float64 window can). Refusing it at load as "resume it with float64" would name
-    the wrong cause and turn away a checkpoint that the window's end settles."""
+def _open_float64_window(weight):
+    """A float32 Linear(3, 1), its input, a builder of accumulators of 3 micro-batches over it by accum_dtype, and the
+    state_dict() of a float64 one whose window holds one micro-batch of ``weight``."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1, bias=False)
     x = torch.ones(1, 3)
@@ -1037,10 +1035,17 @@ def test_a_flagged_window_a_float32_accumulator_cannot_scale_still_loads_and_is_
         return GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, accum_dtype=accum_dtype)
 
     source = accumulator(torch.float64)
-    source.backward(model(x).sum(), weight=1.0)
+    source.backward(model(x).sum(), weight=weight)
     source.step()
-    state = copy.deepcopy(source.state_dict())
-    del source
+    return model, x, accumulator, copy.deepcopy(source.state_dict())
+
+
+def test_a_flagged_window_a_float32_accumulator_cannot_scale_still_loads_and_is_refused_at_its_end():
+    """A window whose device weight was bad (bad_weight set) is refused at its end whatever its weight sum; its
+    checkpoint loads as the run it resumes would have gone on, even with a sum float32 buffers cannot scale by (1e39,
+    beyond float32's 8.5e37, that a float64 window can). Refusing it at load as "resume it with float64" would name
+    the wrong cause and turn away a checkpoint that the window's end settles."""
+    model, x, accumulator, state = _open_float64_window(1.0)
     state["gafused"]["weight_sum"] = torch.tensor(1e39, dtype=torch.float64)
     state["gafused"]["bad_weight"] = torch.tensor(True)
     before = model.weight.detach().clone()
@@ -1061,21 +1066,10 @@ def test_a_mean_window_whose_sum_is_exactly_the_largest_float64_can_scale_is_ref
     """The edge of the refusal above: a float64 window whose weights sum to exactly 1 / tiny (2**1022, the largest
     sum float64 can scale by, itself a weight float64 takes) is one its own buffers finish, so float32 buffers refuse
     it at load, naming weight_sum; an off-by-one edge (``<`` for ``<=``) would load it and refuse it at its end."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1, bias=False)
-    x = torch.ones(1, 3)
     edge = 1 / torch.finfo(torch.float64).tiny
     assert edge == 2.0**1022
-
-    def accumulator(accum_dtype):
-        return GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, accum_dtype=accum_dtype)
-
-    source = accumulator(torch.float64)
-    source.backward(model(x).sum(), weight=edge)
-    source.step()
-    state = copy.deepcopy(source.state_dict())
+    model, x, accumulator, state = _open_float64_window(edge)
     assert state["gafused"]["weight_sum"].item() == edge
-    del source
     target = accumulator(torch.float32)
     before = _everything(target)
     with pytest.raises(ValueError, match=r"\['weight_sum'\]: the open window's weights sum to .* "
@@ -1141,18 +1135,7 @@ def test_a_mean_window_a_float32_accumulator_cannot_scale_is_refused_at_load_not
     buffers, whose scale must be at least float32's tiny (sums up to 8.5e37): refused at load, naming weight_sum and
     the dtype to resume with, nothing changed; rather than loaded and refused at its end with the micro-batches run
     since. The float64 accumulator it came from resumes and finishes it."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1, bias=False)  # float32 parameters: buffers of either dtype
-    x = torch.ones(1, 3)
-
-    def accumulator(accum_dtype):
-        return GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3, accum_dtype=accum_dtype)
-
-    source = accumulator(torch.float64)
-    source.backward(model(x).sum(), weight=1e300)
-    source.step()
-    state = copy.deepcopy(source.state_dict())
-    del source
+    model, x, accumulator, state = _open_float64_window(1e300)  # float32 parameters: buffers of either dtype
     target = accumulator(torch.float32)
     before = _everything(target)
     with pytest.raises(ValueError, match=r"\['weight_sum'\]: the open window's weights sum to 1e\+300, .* "
