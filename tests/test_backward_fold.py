@@ -12,7 +12,7 @@ import torch
 import torch.utils.checkpoint
 
 from gafused import GradAccumulator, ops
-from gafused.buffer import FlatGradBuffer
+from gafused.buffer import DEFAULT_BUCKET_BYTES, FlatGradBuffer
 from gafused.ingest import RELEARN_CALLS, BucketHooks
 
 WIDTH = 6
@@ -345,6 +345,45 @@ def test_bucket_hooks_unfrozen_parameter_adds_one_to_a_learned_count_not_all():
     frozen_second, unfrozen = (True, False, True), (True, True, True)
     calls = [(((0,),), frozen_second), (((0,),), frozen_second), (((0, 1),), unfrozen), (((0, 1),), unfrozen)]
     assert _bucket_outcomes_of_three(calls, trainable_at_start=frozen_second) == ["held", "ok", "ok", "ok"]
+
+
+def _bucket_handovers(calls, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """BucketHooks alone over ``first`` and ``second`` (one bucket, or one each with a small ``bucket_bytes``); per
+    backward call, ``calls`` gives the backward passes it runs, each a tuple of the parameters it reaches ("first",
+    "second"; "first" before "second" in the loss, so second's gradient lands first). Per call: the
+    (pass, bucket) of every hand-over, in order, and ``landed_any()`` at its end."""
+    params = {"first": torch.nn.Parameter(torch.ones(3)), "second": torch.nn.Parameter(torch.ones(3))}
+    elsewhere = torch.ones(3, requires_grad=True)  # outside the buffer: a pass that reaches neither
+    handed = []
+    current = [0]
+
+    class Owner:
+        def on_bucket_ready(self, group_index, bucket_index):
+            handed.append((current[0], bucket_index))
+
+    owner = Owner()
+    hooks = BucketHooks([FlatGradBuffer(list(params.values()), bucket_bytes=bucket_bytes)], owner)
+    got = []
+    for passes in calls:
+        handed.clear()
+        for param in (*params.values(), elsewhere):
+            param.grad = None
+        hooks.start()
+        for index, reached in enumerate(passes):
+            current[0] = index
+            (sum((params[name].sum() for name in reached), torch.zeros(())) + elsewhere.sum()).backward()
+        hooks.stop()
+        got.append((list(handed), hooks.landed_any()))
+    return got
+
+
+def test_bucket_hooks_say_whether_a_gradient_reached_any_bucket():
+    """``landed_any()`` (what decides, under FSDP2, whether a backward that failed midway loses the window) is true
+    when any one bucket got a gradient in the call, not only when all did, and false when none did."""
+    only_first, neither, both = (("first",),), ((),), (("first", "second"),)
+    outcomes = _bucket_handovers([only_first, neither, both], bucket_bytes=1)
+    assert [landed for _, landed in outcomes] == [True, False, True]
+    assert sorted(bucket for _, bucket in outcomes[2][0]) == [0, 1]  # two buckets, each handed over once
 
 
 def _counting(function, log, name):

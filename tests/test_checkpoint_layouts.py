@@ -144,6 +144,31 @@ def test_the_earlier_layout_still_loads_mid_window() -> None:
     _resumes_exactly(N + 2, earlier, micro_step=2)
 
 
+def test_an_inner_optimizer_state_with_an_optimizer_key_is_this_layout_not_the_earlier_one() -> None:
+    """The earlier ``{"optimizer": ..., "gafused": ...}`` layout is told apart by having no 'param_groups'. An inner
+    optimizer whose own state_dict() carries an "optimizer" entry (a wrapper keeping its base optimizer's state
+    there, say) must still load as this layout: taken for the earlier one, its inner optimizer would get that entry
+    alone and the window would be lost, or the load refused."""
+
+    def with_optimizer_entry(optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_state_dict_post_hook(lambda _, state: {**state, "optimizer": {"base": "kept"}})
+
+    batches = _batches(3 * N)
+    expected = _uninterrupted(batches)
+    model, opt = _build()
+    with_optimizer_entry(opt.optimizer)
+    _train(model, opt, batches[: N + 2])
+    state = opt.state_dict()
+    assert state["optimizer"] == {"base": "kept"} and state["gafused"]["micro_step"] == 2
+    resumed, resumed_opt = _build()
+    with_optimizer_entry(resumed_opt.optimizer)
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt.load_state_dict(state)
+    assert resumed_opt.micro_step == 2
+    _train(resumed, resumed_opt, batches[N + 2 :])
+    _assert_same(resumed, expected)
+
+
 def _conv_model(memory_format: torch.memory_format) -> torch.nn.Module:
     torch.manual_seed(3)
     conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Tanh(), torch.nn.Conv2d(4, 2, 2)).double()
