@@ -3309,3 +3309,217 @@ def test_an_unweighted_backward_of_the_first_accumulator_refuses_a_weight_at_the
     assert second.micro_step == 0
     second.step()
     assert second.micro_step == 1
+
+
+def _other_notes(failed):
+    return [note for note in getattr(failed.value, "__notes__", []) if "other accumulator" in note]
+
+
+def test_a_failed_backward_that_keeps_its_window_says_nothing_of_the_other_accumulators_windows(backend):
+    """The first's backward fails before folding anything (one bucket for the layer), so its window stays as it was;
+    the second's window is open (micro_step 1) and the call gave its parameters gradients, put back (none). Nothing
+    went out of step: no note names the second's open window, and both step on as one accumulator, bitwise."""
+    whole, split = _model(), _model()
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    failing = [False]
+    _raise_once(params[0], failing)
+    batches = _data([3, 5])
+    (x, y), (x2, y2) = batches
+    first.backward(_loss(split, x, y), weight=3)
+    first.step()
+    second.step(weight=3)
+    failing[0] = True
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    assert _other_notes(failed) == []
+    assert (first.micro_step, second.micro_step) == (1, 1)
+    assert all(param.grad is None for param in params[2:])
+    for x, y in batches:
+        one.backward(_loss(whole, x, y), weight=len(x))
+        one.step()
+    first.backward(_loss(split, x2, y2), weight=5)
+    first.step()
+    second.step(weight=5)
+    assert one.stepped and first.stepped and second.stepped
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters(), strict=True))
+
+
+def test_a_failed_backward_that_discards_its_window_names_another_accumulators_open_first_micro_batch(backend):
+    """The second accumulator's own backward() opened the window's first micro-batch (micro_step still 0); the
+    first's backward then fails after folding part of the call (a bucket per gradient) and after giving the
+    second's parameters gradients: the first's window is discarded, the second's first micro-batch stays folded,
+    out of step. The note names it at micro_step 0."""
+    split = _model()
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend, bucket_bytes=8)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 5])
+    second.backward(_loss(split, x, y), weight=3, inputs=params[2:])
+    assert second.micro_step == 0 and all(param.grad is None for param in params)
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    notes = " ".join(failed.value.__notes__)
+    assert "the open accumulation window was discarded" in notes
+    assert "1 other accumulator(s) over this loss keep their open windows (micro_step 0)" in notes
+    assert all(param.grad is None for param in params[2:])
+
+
+def test_a_failed_backward_that_discards_its_window_names_the_open_window_it_only_added_to_in_place(backend):
+    """The second's window is open (micro_step 1) and its parameters hold an auxiliary loss's gradients; the first's
+    backward folds part of the call (its window is discarded) and fails after adding to those in place, giving the
+    second's parameters no new gradient. The second is reached all the same: both notes, and its record."""
+    split = _model()
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend, bucket_bytes=8)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 5])
+    first.backward(_loss(split, x, y), weight=3)
+    first.step()
+    second.step(weight=3)
+    torch.autograd.backward(_loss(split, x2, y2), inputs=params[2:])  # an auxiliary loss of the second's
+    held = [(param.grad, param.grad._version) for param in params[2:]]
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    assert all(
+        param.grad is grad and grad._version != version for param, (grad, version) in zip(params[2:], held, strict=True)
+    )
+    notes = " ".join(failed.value.__notes__)
+    assert "the open accumulation window was discarded" in notes
+    assert "the failed call added to gradients held by 1 other accumulator(s)" in notes
+    assert "1 other accumulator(s) over this loss keep their open windows (micro_step 1)" in notes
+    with pytest.raises(RuntimeError, match="that failed"):
+        second.step(weight=5)
+
+
+def test_a_failed_backward_that_discards_its_window_leaves_an_accumulator_over_another_model_alone(backend):
+    """A third accumulator over another model has its window open (micro_step 1) and holds gradients of its own
+    loss.backward(); the failed call over the first model reaches none of them: no note names it, no record is
+    made, and its step() folds them."""
+    split, apart = _model(), _model(seed=1)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend, bucket_bytes=8)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    third = GradAccumulator(torch.optim.SGD(apart.parameters(), lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 5])
+    third.backward(_loss(apart, x, y), weight=3)
+    third.step()
+    _loss(apart, x2, y2).backward()
+    assert third.micro_step == 1
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    assert _other_notes(failed) == []
+    assert second._weighted_elsewhere is None and third._weighted_elsewhere is None
+    third.step()
+    assert third.stepped
+
+
+class _Held:
+    """An unreduced_fingerprint as FSDP2's (pairs of tag and version), set by hand: what FSDP held of an accumulator's
+    parameters, and when a backward added to it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self):
+        return self.value
+
+
+@pytest.mark.parametrize("before", [None, ((7, 0),)])
+def test_a_failed_backward_puts_back_new_gradients_unless_fsdp_held_some_before_and_moved(backend, before):
+    """What FSDP held of the second's parameters (stood in for by its fingerprint) decides whether the new p.grad the
+    failed call gave them may hold earlier micro-batches: only if FSDP held something before and the call changed it.
+    Held before, unchanged: they are put back (none), no record. Held nothing before, the call made it hold some:
+    they are put back too, and what FSDP holds now is recorded."""
+    split = _model()
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    held = second._sync.unreduced_fingerprint = _Held(before)
+    after = before if before is not None else ((8, 0),)
+
+    def add(grad):
+        held.value = after
+
+    params[-1].register_hook(add)
+    ((x, y),) = _data([3])
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        first.backward(_loss(split, x, y), weight=3)
+    failing[0] = False
+    assert all(param.grad is None for param in params[2:])
+    record = second._weighted_elsewhere
+    if before is None:
+        assert record is not None and record.failed and record.unreduced == (8,) and record.produced == []
+    else:
+        assert record is None
+
+
+def test_a_failed_backward_that_discards_its_window_names_one_whose_fsdp_held_more_of_it(backend):
+    """The call gave none of the second's parameters a p.grad (FSDP with its sync off holds them unreduced, stood in
+    for by the second's fingerprint, which the call moved): the second is reached all the same, and, the first's
+    window discarded, the note names the second's open window."""
+    split, apart = _model(), _model(seed=1)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params, lr=0.1), 2, backend=backend, bucket_bytes=8)
+    second = GradAccumulator(torch.optim.SGD(apart.parameters(), lr=0.1), 2, backend=backend)
+    (x, y), (x2, y2) = _data([3, 5])
+    second.backward(_loss(apart, x, y), weight=3)
+    second.step()
+    held = second._sync.unreduced_fingerprint = _Held(((7, 0),))
+
+    def add(grad):
+        held.value = ((7, 1),)
+
+    params[-1].register_hook(add)
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x2, y2), weight=5)
+    failing[0] = False
+    notes = " ".join(failed.value.__notes__)
+    assert "the open accumulation window was discarded" in notes
+    assert "1 other accumulator(s) over this loss keep their open windows (micro_step 1)" in notes
+    assert second._weighted_elsewhere.unreduced == (7,)
+
+
+def test_a_failed_backward_keeps_the_gradients_fsdp_reduced_what_it_held_into(backend):
+    """On a window's last micro-batch FSDP (its sync turned on) reduces what it held of the second's parameters into
+    new p.grad with the failed call's part (stood in for by the second's fingerprint, emptied by the call): those
+    hold the earlier micro-batches, so they are kept, not put back, and the second's step() refuses them, naming
+    the way out FSDP's held gradients need."""
+    split = _model()
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    held = second._sync.unreduced_fingerprint = _Held(((7, 0),))
+
+    def reduce(grad):
+        held.value = None
+
+    params[-1].register_hook(reduce)
+    ((x, y),) = _data([3])
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(_loss(split, x, y), weight=3)
+    failing[0] = False
+    assert "the failed call added to gradients held by 1 other accumulator(s)" in " ".join(failed.value.__notes__)
+    kept = [param.grad for param in params[2:]]
+    assert all(grad is not None for grad in kept)
+    with pytest.raises(RuntimeError, match="that failed.*load every accumulator over the model"):
+        second.step(weight=3)
+    assert second.micro_step == 0 and all(param.grad is grad for param, grad in zip(params[2:], kept, strict=True))
