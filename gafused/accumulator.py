@@ -968,7 +968,8 @@ class GradAccumulator(torch.optim.Optimizer):
         for other, (params, unreduced_before, earlier) in before.items():
             unreduced = other._sync.unreduced_fingerprint()
             moved = unreduced != unreduced_before  # FSDP held more of them, or reduced what it held
-            held_in_grads = moved and unreduced_before is not None  # a new p.grad may hold earlier micro-batches
+            # FSDP reduced some of what it held into p.grad (its sync on): a new p.grad may hold earlier micro-batches.
+            held_in_grads = not set(_held_tags(unreduced_before) or ()).issubset(_held_tags(unreduced) or ())
             changed: list[weakref.ref] = []
             touched = moved
             for param, grad, version in params:

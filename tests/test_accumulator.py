@@ -3437,18 +3437,22 @@ class _Held:
         return self.value
 
 
-@pytest.mark.parametrize("before", [None, ((7, 0),)])
-def test_a_failed_backward_puts_back_new_gradients_unless_fsdp_held_some_before_and_moved(backend, before):
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(None, ((8, 0),)), (((7, 0),), ((7, 0),)), (((7, 0),), ((7, 1),))],
+    ids=["new", "same", "added"],
+)
+def test_a_failed_backward_puts_back_new_gradients_unless_fsdp_reduced_what_it_held(backend, before, after):
     """What FSDP held of the second's parameters (stood in for by its fingerprint) decides whether the new p.grad the
-    failed call gave them may hold earlier micro-batches: only if FSDP held something before and the call changed it.
-    Held before, unchanged: they are put back (none), no record. Held nothing before, the call made it hold some:
-    they are put back too, and what FSDP holds now is recorded."""
+    failed call gave them may hold earlier micro-batches: only if FSDP reduced some of what it held (a tag gone).
+    Held nothing before, the call made it hold some: the new p.grad are put back (none), and what FSDP holds now is
+    recorded. Held before, unchanged: put back, no record. Held before and added to in place (its sync off in the
+    middle of a window, nothing reduced): put back, and what it holds recorded."""
     split = _model()
     params = list(split.parameters())
     first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
     second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
     held = second._sync.unreduced_fingerprint = _Held(before)
-    after = before if before is not None else ((8, 0),)
 
     def add(grad):
         held.value = after
@@ -3462,10 +3466,10 @@ def test_a_failed_backward_puts_back_new_gradients_unless_fsdp_held_some_before_
     failing[0] = False
     assert all(param.grad is None for param in params[2:])
     record = second._weighted_elsewhere
-    if before is None:
-        assert record is not None and record.failed and record.unreduced == (8,) and record.produced == []
-    else:
+    if after == before:
         assert record is None
+    else:
+        assert record is not None and record.failed and record.unreduced == (after[0][0],) and record.produced == []
 
 
 def test_a_failed_backward_that_discards_its_window_names_one_whose_fsdp_held_more_of_it(backend):
