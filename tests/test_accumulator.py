@@ -2344,6 +2344,17 @@ def _raise_once(param, failing):
     return param.register_hook(hook)
 
 
+def _failing_backward(first, params, *args, **kwargs):
+    """``first.backward(*args, **kwargs)``, failing in a hook on ``params[0]`` (``_raise_once``, left registered and
+    inactive); the pytest ExceptionInfo of its error."""
+    failing = [True]
+    _raise_once(params[0], failing)
+    with pytest.raises(RuntimeError, match="bad batch") as failed:
+        first.backward(*args, **kwargs)
+    failing[0] = False
+    return failed
+
+
 @pytest.mark.parametrize("failing_micro", [0, 1])
 def test_a_failed_backward_puts_back_the_gradients_it_gave_another_accumulator(backend, failing_micro):
     """Two optimizers over one model: the first's backward(loss, weight=w) fails after autograd gave the second's
@@ -2385,11 +2396,7 @@ def test_gradients_a_failed_backward_added_to_are_refused_by_the_other_accumulat
     _loss(split, x, y).backward()  # the second's micro-batch (the first's gradients dropped)
     first.zero_grad()
     held = [param.grad for param in params[2:]]
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x2, y2), weight=5)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x2, y2), weight=5)
     assert "the failed call added to gradients held by 1 other accumulator(s)" in " ".join(failed.value.__notes__)
     added = [param.grad.clone() for param in params[2:]]
     assert all(param.grad is grad for param, grad in zip(params[2:], held, strict=True))
@@ -2518,11 +2525,7 @@ def test_a_failed_backward_drops_what_it_added_to_in_place_in_a_parameter_it_sha
     second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
     (x, y), (x2, y2) = _data([3, 5])
     torch.autograd.backward(_loss(split, x, y), inputs=params[2:])  # the second's micro-batch
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x2, y2), weight=5)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x2, y2), weight=5)
     notes = " ".join(failed.value.__notes__)
     assert "2 gradient(s) held from an earlier loss.backward() were added to in place" in notes
     assert "other accumulator" not in notes
@@ -3360,11 +3363,7 @@ def test_a_failed_backward_that_discards_its_window_names_another_accumulators_o
     (x, y), (x2, y2) = _data([3, 5])
     second.backward(_loss(split, x, y), weight=3, inputs=params[2:])
     assert second.micro_step == 0 and all(param.grad is None for param in params)
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x2, y2), weight=5)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x2, y2), weight=5)
     notes = " ".join(failed.value.__notes__)
     assert "the open accumulation window was discarded" in notes
     assert "1 other accumulator(s) over this loss keep their open windows (micro_step 0)" in notes
@@ -3385,11 +3384,7 @@ def test_a_failed_backward_that_discards_its_window_names_the_open_window_it_onl
     second.step(weight=3)
     torch.autograd.backward(_loss(split, x2, y2), inputs=params[2:])  # an auxiliary loss of the second's
     held = [(param.grad, param.grad._version) for param in params[2:]]
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x2, y2), weight=5)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x2, y2), weight=5)
     assert all(
         param.grad is grad and grad._version != version for param, (grad, version) in zip(params[2:], held, strict=True)
     )
@@ -3415,11 +3410,7 @@ def test_a_failed_backward_that_discards_its_window_leaves_an_accumulator_over_a
     third.step()
     _loss(apart, x2, y2).backward()
     assert third.micro_step == 1
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x2, y2), weight=5)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x2, y2), weight=5)
     assert _other_notes(failed) == []
     assert second._weighted_elsewhere is None and third._weighted_elsewhere is None
     third.step()
@@ -3459,11 +3450,7 @@ def test_a_failed_backward_puts_back_new_gradients_unless_fsdp_reduced_what_it_h
 
     params[-1].register_hook(add)
     ((x, y),) = _data([3])
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch"):
-        first.backward(_loss(split, x, y), weight=3)
-    failing[0] = False
+    _failing_backward(first, params, _loss(split, x, y), weight=3)
     assert all(param.grad is None for param in params[2:])
     record = second._weighted_elsewhere
     if after == before:
@@ -3489,11 +3476,7 @@ def test_a_failed_backward_that_discards_its_window_names_one_whose_fsdp_held_mo
         held.value = ((7, 1),)
 
     params[-1].register_hook(add)
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x2, y2), weight=5)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x2, y2), weight=5)
     notes = " ".join(failed.value.__notes__)
     assert "the open accumulation window was discarded" in notes
     assert "1 other accumulator(s) over this loss keep their open windows (micro_step 1)" in notes
@@ -3516,11 +3499,7 @@ def test_a_failed_backward_keeps_the_gradients_fsdp_reduced_what_it_held_into(ba
 
     params[-1].register_hook(reduce)
     ((x, y),) = _data([3])
-    failing = [True]
-    _raise_once(params[0], failing)
-    with pytest.raises(RuntimeError, match="bad batch") as failed:
-        first.backward(_loss(split, x, y), weight=3)
-    failing[0] = False
+    failed = _failing_backward(first, params, _loss(split, x, y), weight=3)
     assert "the failed call added to gradients held by 1 other accumulator(s)" in " ".join(failed.value.__notes__)
     kept = [param.grad for param in params[2:]]
     assert all(grad is not None for grad in kept)
