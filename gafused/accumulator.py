@@ -929,8 +929,9 @@ class GradAccumulator(torch.optim.Optimizer):
                     _add_note(
                         error,
                         f"gafused: the failed call added to gradients held by {kept} other accumulator(s) over this "
-                        "loss (in place in p.grad, or what FSDP held unreduced): their step() and backward() refuse "
-                        "those until they are dropped; the gradients it gave their parameters anew were put back",
+                        "loss (in place in p.grad, or to what FSDP held unreduced, or FSDP reduced that into new "
+                        "p.grad): their step() and backward() refuse those until they are dropped; the other "
+                        "gradients it gave their parameters were put back",
                     )
                 open_elsewhere = [other.micro_step for other in reached if other._micro_step or other._micro]
                 if discarded and open_elsewhere:
