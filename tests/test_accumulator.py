@@ -2533,24 +2533,34 @@ def test_a_failed_backward_drops_what_it_added_to_in_place_in_a_parameter_it_sha
     assert first.micro_step == 0 and second._weight_from_elsewhere() is None
 
 
+def _one_and_split_after_a_micro_batch(backend, **first_options):
+    """``one`` accumulator over a float64 tanh_mlp ``whole``; over a copy ``split``, ``first`` (its first layer, with
+    ``first_options``) and ``second`` (the rest); a hook on split's first weight that raises while ``failing[0]``;
+    the state_dict() of first and second before the window; then the window's first micro-batch (``_data([3, 5])``'s
+    first, weight 3) through first's backward() and both step()s. ``one`` has not run it."""
+    whole, split = _model(), _model()
+    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    params = list(split.parameters())
+    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend, **first_options)
+    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
+    saved = [first.state_dict(), second.state_dict()]
+    failing = [False]
+    _raise_once(params[0], failing)
+    x, y = _data([3, 5])[0]
+    first.backward(_loss(split, x, y), weight=3)
+    first.step()
+    second.step(weight=3)
+    return whole, split, one, first, second, failing, saved
+
+
 def test_a_failed_backward_that_discards_its_window_names_the_other_accumulators_open_windows(backend):
     """The first accumulator folded part of the failed call (a bucket per gradient), so its window is discarded; the
     second's stays open at its micro_step, out of step with the first's from then on. The note says so and names
     the way out: loading each with the state_dict() it gave between windows, after which both run the window again
     and step as one accumulator over the model, bitwise."""
-    whole, split = _model(), _model()
-    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
-    params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend, bucket_bytes=8)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
-    saved = [first.state_dict(), second.state_dict()]
-    failing = [False]
-    _raise_once(params[0], failing)
+    whole, split, one, first, second, failing, saved = _one_and_split_after_a_micro_batch(backend, bucket_bytes=8)
     batches = _data([3, 5])
-    (x, y), (x2, y2) = batches
-    first.backward(_loss(split, x, y), weight=3)
-    first.step()
-    second.step(weight=3)
+    (x2, y2) = batches[1]
     failing[0] = True
     with pytest.raises(RuntimeError, match="bad batch") as failed:
         first.backward(_loss(split, x2, y2), weight=5)
@@ -3322,18 +3332,10 @@ def test_a_failed_backward_that_keeps_its_window_says_nothing_of_the_other_accum
     """The first's backward fails before folding anything (one bucket for the layer), so its window stays as it was;
     the second's window is open (micro_step 1) and the call gave its parameters gradients, put back (none). Nothing
     went out of step: no note names the second's open window, and both step on as one accumulator, bitwise."""
-    whole, split = _model(), _model()
-    one = GradAccumulator(torch.optim.SGD(whole.parameters(), lr=0.1), 2, backend=backend)
+    whole, split, one, first, second, failing, _ = _one_and_split_after_a_micro_batch(backend)
     params = list(split.parameters())
-    first = GradAccumulator(torch.optim.SGD(params[:2], lr=0.1), 2, backend=backend)
-    second = GradAccumulator(torch.optim.SGD(params[2:], lr=0.1), 2, backend=backend)
-    failing = [False]
-    _raise_once(params[0], failing)
     batches = _data([3, 5])
-    (x, y), (x2, y2) = batches
-    first.backward(_loss(split, x, y), weight=3)
-    first.step()
-    second.step(weight=3)
+    (x2, y2) = batches[1]
     failing[0] = True
     with pytest.raises(RuntimeError, match="bad batch") as failed:
         first.backward(_loss(split, x2, y2), weight=5)
