@@ -66,6 +66,10 @@ RUN_ELEMENTS = 2**30
 # tensor, whose dispatch costs more than adding a few KB (1024 gradients of 64 fp32 elements: 100 us against 360 us
 # for ``torch._foreach_add_``), while above about 16 KB the copy that ``cat`` makes costs more than the op it saves.
 SMALL_SEGMENT_BYTES = 8192
+# On CPU a window's end takes the float64 norm of a piece of at least this many elements through one scratch tensor
+# reused piece after piece (``_cpu_float64_norms``); smaller pieces, whose temporaries the allocator keeps, in one
+# foreach call.
+SCRATCH_ELEMENTS = 16384
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -483,7 +487,29 @@ def _total_squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
         # Folding at step() measures while the last micro-batch's gradients are still alive, so a bigger copy would
         # raise the window's peak.
         pieces = views.run_pieces(_end_piece_elements(views, acc, 8))
+        return torch.stack(_cpu_float64_norms(pieces)).square().sum()
     return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
+
+
+def _cpu_float64_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The float64 2-norm of each CPU piece (not float64), in order: the small pieces' in one foreach call, the
+    others' each copied into one float64 scratch tensor, made once per call and reused piece after piece (the same
+    bits as a norm in float64 converting its input itself, which makes a new temporary per piece: one as large as
+    ``SCRATCH_ELEMENTS`` and up often comes fresh from the OS, whose pages are then touched for the first time, while
+    the scratch's are touched once per call)."""
+    large = [index for index, piece in enumerate(pieces) if piece.numel() >= SCRATCH_ELEMENTS]
+    if not large:
+        return list(torch._foreach_norm(pieces, 2, dtype=torch.float64))
+    norms: list[torch.Tensor | None] = [None] * len(pieces)
+    small = [index for index, piece in enumerate(pieces) if piece.numel() < SCRATCH_ELEMENTS]
+    if small:
+        small_norms = torch._foreach_norm([pieces[i] for i in small], 2, dtype=torch.float64)
+        for index, norm in zip(small, small_norms, strict=True):
+            norms[index] = norm
+    scratch = torch.empty(max(pieces[index].numel() for index in large), dtype=torch.float64)
+    for index in large:
+        norms[index] = torch.linalg.vector_norm(scratch[: pieces[index].numel()].copy_(pieces[index]))
+    return norms
 
 
 def _squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
@@ -491,15 +517,15 @@ def _squares(views: _Views, acc: torch.Tensor) -> torch.Tensor:
     segments = views.flat
     if not segments:
         return torch.zeros(0, dtype=torch.float64, device=acc.device)
-    long = []
-    if acc.device.type == "cpu" and acc.dtype != torch.float64:
-        # A CPU norm in float64 first copies its whole input to float64: long segments in pieces.
-        limit = _chunk_elements(acc.device, 8)
-        long = views.longer_than(limit)
-    if not long:
+    if acc.device.type != "cpu" or acc.dtype == torch.float64:
         return torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float64)).square()
+    # A CPU norm in float64 first copies its whole input to float64: long segments in pieces.
+    limit = _chunk_elements(acc.device, 8)
+    long = views.longer_than(limit)
+    if not long:
+        return torch.stack(_cpu_float64_norms(segments)).square()
     pieces, _ = _cut(segments, segments, long, limit)
-    squares = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square()
+    squares = torch.stack(_cpu_float64_norms(pieces)).square()
     # Back to one value per segment: a long segment's pieces are consecutive; sum them in order.
     parts, start, piece = [], 0, 0
     for index in long:

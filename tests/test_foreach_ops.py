@@ -531,3 +531,35 @@ def test_per_segment_squares_in_pieces_keep_every_segment(accum_dtype, monkeypat
     per_segment = ops.sum_of_squares(buffer, per_segment=True, backend="foreach")
     assert per_segment.shape == (len(buffer),)
     torch.testing.assert_close(per_segment.double(), exact, rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("per_segment", [False, True], ids=["total", "per_segment"])
+def test_large_pieces_are_measured_through_one_float64_scratch_with_the_same_bits(per_segment, monkeypatch):
+    """On CPU a piece of at least SCRATCH_ELEMENTS is copied into one float64 scratch, piece after piece, the smaller
+    ones normed in one foreach call: every piece keeps its own float64 norm, in order (the bits of float64 norms
+    that convert their input themselves), and each segment its own sum."""
+    monkeypatch.setattr(foreach_backend, "CHUNK_BYTES", 40)  # per-segment pieces of 5 elements
+    monkeypatch.setattr(foreach_backend, "SCRATCH_ELEMENTS", 5)
+    shapes = [(3,), (17,), (2,), (1, 100), (4,), (9,), (3,)]  # runs and segments both above and below 5 elements
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in shapes])
+    buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(21)))
+    # Pieces of [1, s, s, s, s]: float32 norms lose every s**2 to 1 (20.0); float64 ones do not (20.0000032).
+    buffer.segment(3).copy_(torch.tensor([1.0, 2e-4, 2e-4, 2e-4, 2e-4] * 20))
+    layout = (buffer.data, buffer.offsets, buffer.numels)
+    views = foreach_backend._views(*layout)
+    if per_segment:
+        long = views.longer_than(5)
+        pieces, _ = foreach_backend._cut(views.flat, views.flat, long, 5)
+    else:
+        pieces = views.run_pieces(foreach_backend._end_piece_elements(views, buffer.data, 8))
+    assert {piece.numel() >= 5 for piece in pieces} == {True, False}
+    norms = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64))
+    with _ForeachLists() as seen:
+        squares = foreach_backend.sum_of_squares(*layout, per_segment=per_segment)
+    assert [tensor.numel() for tensor in seen.lists["_foreach_norm"][0]] == [p.numel() for p in pieces if p.numel() < 5]
+    exact = torch.stack([buffer.segment(i).double().square().sum() for i in range(len(buffer))])
+    if per_segment:
+        torch.testing.assert_close(squares.double(), exact, rtol=1e-7, atol=0)
+    else:
+        assert torch.equal(squares, norms.square().sum().to(torch.float32))
+        torch.testing.assert_close(squares.double(), exact.sum(), rtol=1e-7, atol=0)
