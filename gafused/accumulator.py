@@ -2522,18 +2522,25 @@ class GradAccumulator(torch.optim.Optimizer):
         hooks registered on the accumulator run as ``torch.optim.Optimizer.state_dict`` runs them, around this
         whole dict.
         """
+        return self._state_dict(with_window=True)
+
+    def _state_dict(self, with_window: bool) -> dict[str, Any]:
+        """``state_dict()``, or with ``with_window`` False the state as it was when the open window began: the inner
+        optimizer's (which has not stepped since) and an empty window, for a caller that runs that window's
+        micro-batches again after loading it (Trainer's resume does)."""
         self._check_not_stepping("state_dict()")
         if self._micro is not None:
             raise RuntimeError("state_dict(): backward() was called without step(); call step() first")
         # A checkpoint of a window laid out for other parameters than the inner optimizer's would load nowhere.
         self._check_param_count()
-        if self._micro_step > 0 and self._sync.holds_unreduced():
+        open_window = with_window and self._micro_step > 0
+        if open_window and self._sync.holds_unreduced():
             raise RuntimeError(
                 "state_dict(): FSDP holds this window's gradients unreduced (set_requires_gradient_sync(False)), "
                 "outside the accumulator's buffers, so a checkpoint would lose them. Take it at a window's end (when "
                 "opt.stepped is True), or keep FSDP's sync on in windows that may be checkpointed"
             )
-        if self._micro_step > 0 and _called_from(_DCP_MODULE, "_get_optim_state_dict"):
+        if open_window and _called_from(_DCP_MODULE, "_get_optim_state_dict"):
             folded = f"{self._micro_step} micro-batch{'es' if self._micro_step > 1 else ''} folded"
             raise RuntimeError(
                 f"state_dict(): torch.distributed.checkpoint keeps only an optimizer state_dict's 'state' and "
@@ -2543,16 +2550,19 @@ class GradAccumulator(torch.optim.Optimizer):
             )
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        # Between windows the last window's sums and learning rates stay (read by nothing once it ended); the state
+        # of a window's start (``with_window`` False) holds none, as before a first window.
+        kept = with_window or self._micro_step == 0
         window: dict[str, Any] = {
             "version": STATE_VERSION,
             "accumulation_steps": self.accumulation_steps,
             "normalization": self.normalization,
-            "micro_step": self._micro_step,
+            "micro_step": self._micro_step if with_window else 0,
             "skipped_steps": self._skipped_steps,
-            "weight_sum": None if self._weight_sum is None else self._weight_sum.clone(),
-            "bad_weight": None if self._bad_weight is None else self._bad_weight.clone(),
-            "inv_loss_scale": None if self._inv_loss_scale is None else self._inv_loss_scale.clone(),
-            "window_lrs": None if self._window_lrs is None else list(self._window_lrs),
+            "weight_sum": None if self._weight_sum is None or not kept else self._weight_sum.clone(),
+            "bad_weight": None if self._bad_weight is None or not kept else self._bad_weight.clone(),
+            "inv_loss_scale": None if self._inv_loss_scale is None or not kept else self._inv_loss_scale.clone(),
+            "window_lrs": None if self._window_lrs is None or not kept else list(self._window_lrs),
             "world_size": self._sync.world_size,
             "rank": self._sync.rank,
             "layout": self._layout_kind,
@@ -2563,9 +2573,9 @@ class GradAccumulator(torch.optim.Optimizer):
                 "numels": list(group.buffer.numels),
                 "shapes": [list(shape) for shape in group.buffer.shapes],
                 "positions": positions,
-                "had_grad": list(group.had_grad),
+                "had_grad": list(group.had_grad) if kept else [False] * len(group.had_grad),
             }
-            if self._micro_step > 0:  # a finished or empty window's buffer holds nothing worth saving
+            if open_window:  # a finished or empty window's buffer holds nothing worth saving
                 # Each segment in its parameter's row-major order, whatever the memory format: the checkpoint loads
                 # into the model in either (model.to(memory_format=...) before or after resuming).
                 # Copied into one tensor view by view: a permuted segment's reshape would be a copy of its own.

@@ -1027,6 +1027,68 @@ def test_a_gafused_trainer_checkpoint_resumes_in_plain_trainer(tmp_path: Path) -
     assert steps == {3} and plain.state.global_step == 3
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """The first 6 sequences, as a stream: a pass of 6 micro-batches ends with a window of 4 half done."""
+
+    def __iter__(self):
+        return iter([cases.Sequences()[index] for index in range(6)])
+
+
+class _OpenAtSave(transformers.TrainerCallback):
+    """The accumulator's open micro-batches at each checkpoint Trainer writes."""
+
+    def __init__(self) -> None:
+        self.open: list[int] = []
+        self.trainer: GafusedTrainer | None = None
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.open.append(self.trainer.accumulator.micro_step)
+
+
+def _streamed(tmp_path: Path, name: str) -> tuple[GafusedTrainer, _OpenAtSave]:
+    args = cases._arguments(str(tmp_path / name), max_steps=3, save_strategy="epoch", logging_strategy="no")
+    trainer = GafusedTrainer(model=cases.make_model(), args=args, train_dataset=_Stream(), data_collator=cases.collate)
+    seen = _OpenAtSave()
+    seen.trainer = trainer
+    trainer.add_callback(seen)
+    return trainer, seen
+
+
+def test_a_checkpoint_written_with_a_window_open_resumes_bitwise(tmp_path: Path) -> None:
+    """At the end of a pass over an IterableDataset Trainer carries the open window into the next pass and writes its
+    epoch checkpoint there; a resume runs that window's micro-batches again, so the checkpoint holds the state of the
+    window's start (saved with the window, they would fold twice)."""
+    full, seen = _streamed(tmp_path, "full")
+    full.train()
+    assert seen.open[0] == 2  # the first pass ended with 2 of the window's 4 micro-batches folded
+    saved = torch.load(tmp_path / "full" / "checkpoint-1" / "optimizer.pt", weights_only=False)
+    assert saved["gafused"]["micro_step"] == 0 and "segments" not in saved["gafused"]["buffers"][0]
+    resumed, _ = _streamed(tmp_path, "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
+    assert resumed.state.global_step == full.state.global_step == 3
+    for mine, theirs in zip(resumed.model.parameters(), full.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_training_step_that_runs_its_own_backward_is_refused_before_the_optimizer_steps(tmp_path: Path) -> None:
+    """A subclass's training_step that runs accelerator.backward without GafusedTrainer.training_step would leave
+    the accumulator nothing to finish: refused at the window's optimizer.step(), naming the cause."""
+
+    class OwnStep(GafusedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+            self.accelerator.backward(loss)
+            return loss.detach()
+
+    model = cases.make_model()
+    before = copy.deepcopy(model.state_dict())
+    trainer = _trainer(tmp_path, OwnStep, model=model, max_steps=1)
+    with pytest.raises(RuntimeError, match=r"must call super\(\)\.training_step.*The optimizer did not step"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
 def test_loss_items_need_labels(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="override GafusedTrainer.loss_items"):
         _trainer(tmp_path).loss_items({"input_ids": torch.ones(1, 3, dtype=torch.long)})

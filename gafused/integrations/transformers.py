@@ -13,7 +13,9 @@ How Trainer 5.x drives an optimizer, and what the subclass changes (README, "tra
   ``gradient_accumulation_steps``-th, or the epoch's last: the partial window) as the sync step on Accelerate's
   gradient state. Each micro-batch runs ``training_step``, which ends in ``accelerator.backward(loss)``; at the sync
   step Trainer clips (``max_grad_norm``), calls ``optimizer.step()``, steps the scheduler unless the accelerator
-  says the step was skipped, and zeroes the gradients. Checkpoints are written after a sync step only.
+  says the step was skipped, and zeroes the gradients. Checkpoints are written after a sync step, or at the end of
+  a pass over an ``IterableDataset``, whose unfinished window Trainer carries into the next pass; a resume runs
+  every micro-batch after the last optimizer step again.
 - GafusedTrainer builds a *driven* ``GradAccumulator`` over Trainer's own optimizer once Accelerate has wrapped the
   model (``model=`` the DDP module under torch.distributed), and puts it inside Trainer's ``AcceleratedOptimizer``.
   ``training_step`` routes the backward to ``accumulator.backward(loss, weight=w, end_window=<sync step>)`` and
@@ -68,6 +70,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import inspect
 import textwrap
 import weakref
@@ -131,7 +134,9 @@ class GafusedTrainer(transformers.Trainer):
     the one big batch would give: token-weighted over every micro-batch and rank, clipped by its global norm with
     ``args.max_grad_norm``. The LR scheduler steps once per window; a window the accumulator skips (non-finite
     gradient) does not step it. Checkpoints (``save_steps``, ``resume_from_checkpoint``) hold the accumulator's
-    state; Trainer writes them after a window's step only, where the window is empty, so they resume exactly.
+    state as of the last optimizer step (Trainer writes them there, but for one at the end of a pass over an
+    ``IterableDataset``, mid-window, whose micro-batches a resume runs again), so they resume exactly. A
+    ``training_step`` of your own must call ``super().training_step``: it sends the backward to the accumulator.
 
     Args:
         accumulator_options: keyword arguments for ``GradAccumulator``: ``accum_dtype``, ``backend``,
@@ -200,7 +205,10 @@ class GafusedTrainer(transformers.Trainer):
         self._decide_loss(self.model, starting=False)
         self.accumulator: GradAccumulator | None = None
         self._norm: torch.Tensor | None = None
-        self.add_callback(_AfterOptimizerStep(self))
+        # Whether training_step sent the backward of the window's last micro-batch to the accumulator (checked before
+        # Trainer's optimizer.step(), reset after it).
+        self._last_backward_routed = False
+        self.add_callback(_AroundOptimizerStep(self))
 
     # --- configuration ----------------------------------------------------------------------------------
 
@@ -286,6 +294,21 @@ class GafusedTrainer(transformers.Trainer):
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Trainer's resume runs every micro-batch after the last optimizer step again, so a checkpoint written with a
+        # window open (a pass over an IterableDataset ending mid-window, at save_strategy="epoch") holds the state as
+        # of that window's start, as plain Trainer's does (p.grad is not saved): with the window, its micro-batches
+        # would fold twice.
+        accumulator = self.accumulator
+        if accumulator is None or not accumulator.micro_step:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        accumulator.state_dict = functools.partial(accumulator._state_dict, with_window=False)
+        try:
+            super()._save_optimizer_and_scheduler(output_dir)
+        finally:
+            del accumulator.state_dict
 
     def _install_accumulator(self, model: torch.nn.Module) -> None:
         accelerated = self.optimizer
@@ -418,6 +441,7 @@ class GafusedTrainer(transformers.Trainer):
                 # own); the accumulator weighs the undivided mean by its items. The returned, logged loss keeps it.
                 loss = loss * self.current_gradient_accumulation_steps
             accumulator.backward(loss, weight=weight, end_window=last)
+            self._last_backward_routed = last
 
         with _routed_backward(self.accelerator, backward):
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -434,22 +458,35 @@ class GafusedTrainer(transformers.Trainer):
         return self._get_grad_norm(model)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor:
-        # Known only once optimizer.step() finishes the window: filled in by _AfterOptimizerStep, before Trainer logs.
+        # Known only once optimizer.step() finishes the window: filled in by _AroundOptimizerStep, before Trainer logs.
         self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.args.device)
         return self._norm
 
 
-class _AfterOptimizerStep(transformers.TrainerCallback):
-    """After Trainer's optimizer.step(): the window's norm for the log, and whether the step was skipped (then
-    Trainer does not step the scheduler, as after an fp16 overflow)."""
+class _AroundOptimizerStep(transformers.TrainerCallback):
+    """Before Trainer's optimizer.step(): whether GafusedTrainer's training_step sent the window's backward to the
+    accumulator. After it: the window's norm for the log, and whether the step was skipped (then Trainer does not
+    step the scheduler, as after an fp16 overflow)."""
 
     def __init__(self, trainer: GafusedTrainer) -> None:
         self._trainer = weakref.ref(trainer)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is None or trainer.accumulator is None or trainer._last_backward_routed:
+            return
+        raise RuntimeError(
+            f"{type(trainer).__name__}: the backward of this window's last micro-batch did not go through "
+            "GafusedTrainer.training_step, which sends accelerator.backward(loss) to the accumulator; a training_step "
+            "of your own must call super().training_step(model, inputs, num_items_in_batch) (put your code around "
+            "it, or in compute_loss). The optimizer did not step"
+        )
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
         if trainer is None or trainer.accumulator is None:
             return
+        trainer._last_backward_routed = False
         accumulator = trainer.accumulator
         if accumulator.micro_step:
             raise RuntimeError(
