@@ -826,7 +826,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 "backward(): p.grad holds gradients the grad_scaler unscaled (a step() was refused for it), to which "
                 "autograd would add this loss's; drop them with opt.zero_grad() first"
             )
-        self._check_param_set(identity=self._micro is None and self._micro_step == 0)
+        self._check_param_set(identity=self._micro is None and self._micro_step == 0, before_backward=True)
         micro = self._micro
         if micro is None:
             w, bad = self._weight_tensor(weight)
@@ -1868,11 +1868,12 @@ class GradAccumulator(torch.optim.Optimizer):
 
     # --- window internals -------------------------------------------------------------------------------
 
-    def _check_param_set(self, identity: bool) -> None:
+    def _check_param_set(self, identity: bool, before_backward: bool = False) -> None:
         """Refuse an inner optimizer whose parameters changed: their number on every call, and (``identity``, at
         a window's first and last micro-batch, where it costs about a microsecond per parameter) which tensors they
         are and whether their layout changed. Also refuse a ``grad_scaler`` that another live accumulator uses
-        (``_claim_grad_scaler``)."""
+        (``_claim_grad_scaler``). ``before_backward``: called by ``backward()`` before autograd runs (see
+        ``_rearm_swapped``)."""
         if self._grad_scaler is not None:
             self._claim_grad_scaler()
         self._check_param_count()
@@ -1916,9 +1917,9 @@ class GradAccumulator(torch.optim.Optimizer):
                     "model (model.to(...), model.double(), model.to(memory_format=...)) or changing a "
                     "parameter's grad_dtype"
                 )
-        self._rearm_swapped()
+        self._rearm_swapped(before_backward)
 
-    def _rearm_swapped(self) -> None:
+    def _rearm_swapped(self, before_backward: bool) -> None:
         """Re-attach the hooks of parameters whose tensor was swapped in place since (``torch.utils.swap_tensors``,
         which ``model.load_state_dict()`` and ``model.to()`` use under
         ``torch.__future__.set_swap_module_params_on_conversion(True)``).
@@ -1930,7 +1931,10 @@ class GradAccumulator(torch.optim.Optimizer):
         gradient with a new one added (the release hook did not run): it is still the view handed out and was written
         since that step (autograd added into it in place), or it is a new tensor with a graph (under
         ``create_graph=True`` autograd adds out of place, and the sum cannot be told from a gradient made after the
-        swap).
+        swap), or it is still the view object but in new memory (``model.to()`` swaps a ``p.grad`` too: a conversion
+        that ends where it began, ``model.half().float()``, moves it off the buffer), unless ``before_backward``:
+        ``backward()`` asks before autograd runs, so nothing was added into it yet and it is released as the
+        finished gradient it is.
         """
         # The tensor's address alone could miss a second swap that reused a freed tensor's address; the mark alone,
         # a swap whose new tensor was given the old one's __dict__.
@@ -1940,23 +1944,36 @@ class GradAccumulator(torch.optim.Optimizer):
             if _TENSOR_OF(param) != tensor or not _marked(param, self._hook_mark)
         }
         held_views = []  # swapped parameters whose p.grad is still their view, in a buffer written since
+        moved_views = []  # swapped parameters whose p.grad is still their view object, no longer on the buffer
         for group in self._groups:
             if group.published is None or group.published_version is None:
                 continue
-            written = _published_source(group)._version != group.published_version
+            source = _published_source(group)
+            written = source._version != group.published_version
             for index, param in enumerate(group.params):
                 view, grad = group.published[index], param.grad
                 if id(param) not in swapped or view is None or not group.hooked[index] or grad is None:
                     continue
                 # Added into in place, or out of place (a new p.grad with a graph) under create_graph=True; a new
                 # p.grad without one is a gradient of its own (the swap dropped the finished one, as load_state_dict).
-                if grad is view and written:
+                if grad is view and not _in_memory_of(grad, source):
+                    if not before_backward:
+                        moved_views.append(group.names[index])
+                elif grad is view and written:
                     held_views.append(group.names[index])
                 elif grad is not view and grad.requires_grad:
                     raise _swapped_grad_error(
                         f"{group.names[index]}: its p.grad may be",
                         "under create_graph=True a new p.grad made from it cannot be told from one made after the swap",
                     )
+        if moved_views:
+            raise _swapped_grad_error(
+                f"{moved_views[0]}: its p.grad may be"
+                if len(moved_views) == 1
+                else f"{', '.join(moved_views)}: the p.grad of one or more of these may be",
+                "the swap moved that p.grad too (model.to() converts a p.grad by swapping it as well: the same tensor "
+                "object, in new memory), where autograd may have added into it since",
+            )
         if held_views:
             # The views share their buffer's version counter: which of them was written cannot be told.
             raise _swapped_grad_error(
@@ -2949,6 +2966,13 @@ def _grads_and_versions(params: list[torch.Tensor]) -> tuple[list[torch.Tensor |
 def _published_source(group: _Group) -> torch.Tensor:
     """The memory the group's published views are views of: the buffer, or its cast copy."""
     return group.buffer.data if group.finished is None else group.finished
+
+
+def _in_memory_of(grad: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether ``grad`` (a DTensor: its shard) lies in ``source``'s memory. A handed-out view swapped in place
+    (``torch.utils.swap_tensors``) is the same object in new memory."""
+    local = getattr(grad, "_local_tensor", grad)
+    return local.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
 
 
 def _is_published(group: _Group, index: int, grad: torch.Tensor | None) -> bool:

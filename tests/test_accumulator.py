@@ -1638,6 +1638,49 @@ def test_a_finished_gradient_kept_through_a_swap_and_added_into_is_refused(swap_
         window(batches[8:10], swap="to three times")
 
 
+def test_a_conversion_there_and_back_moves_the_finished_gradient_off_the_buffer(loop, swap_on_conversion):
+    """model.to() converts each p.grad by swapping it too: model.float().double() leaves the finished gradient a
+    window's step handed out as the same tensor object in new memory, where the step-time loop without zero_grad()
+    has autograd add the next micro-batch. That step() is refused, changing nothing (it released the sum as the
+    finished gradient, the micro-batch lost); after zero_grad() the micro-batch runs again and the window is the big
+    batch's. backward() asks before autograd runs: the moved gradient is released, and the window is exact."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    batches = _data([3, 4, 2, 5])
+
+    def micro_batch(x, y):
+        if loop == "backward":
+            opt.backward(_loss(model, x, y), weight=len(x))
+            opt.step()
+        else:
+            _loss(model, x, y).backward()
+            opt.step(weight=len(x))  # no zero_grad(): the finished gradients stay in p.grad
+
+    for x, y in batches[:2]:
+        micro_batch(x, y)
+    _big_batch_step(reference, reference_opt, batches[:2])
+    grads = [p.grad for p in model.parameters()]
+    for network in (model, reference):
+        network.float().double()
+    assert all(p.grad is grad for p, grad in zip(model.parameters(), grads, strict=True))  # the same objects
+    if loop == "step":
+        x, y = batches[2]
+        _loss(model, x, y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=r"params'\]\[0\].*may be the finished gradient.*moved that p.grad"):
+            opt.step(weight=len(x))
+        assert opt.micro_step == 0 and opt.stepped  # as the last window's step left it
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        opt.zero_grad()
+    for x, y in batches[2:]:
+        micro_batch(x, y)
+    assert opt.stepped
+    _big_batch_step(reference, reference_opt, batches[2:])
+    _assert_same_params(model, reference, 1e-12)
+
+
 def test_the_swap_refusal_names_every_view_that_may_have_been_added_into(swap_on_conversion):
     """A finished gradient's views share their buffer's version counter: after a swap and a backward through one layer
     of two, which view autograd added into cannot be told, so every swapped parameter still holding its view is
