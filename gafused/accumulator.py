@@ -686,7 +686,8 @@ class GradAccumulator(torch.optim.Optimizer):
 
     @property
     def accum_dtype(self) -> torch.dtype:
-        """The dtype gradients accumulate in."""
+        """The accumulation dtype asked for: gradients of float64 parameters accumulate in float64 whatever it is
+        (``buffers`` hold each buffer's own)."""
         return self._accum_dtype
 
     @property

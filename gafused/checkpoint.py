@@ -77,7 +77,8 @@ def split(acc: GradAccumulator, state_dict: Any) -> tuple[dict[str, Any], Any]:
         raise RuntimeError(
             "load_state_dict(): the checkpoint is a plain optimizer state (no 'gafused' entry: saved without "
             "gafused, or through torch.distributed.checkpoint), which holds no window, but this accumulator has "
-            f"an open window ({acc._micro_step} micro-batches). Load it between windows"
+            f"an open window ({acc._micro_step} micro-batch{'es' if acc._micro_step > 1 else ''}). Load it between "
+            "windows"
         )
     buffers = [{"numels": list(g.buffer.numels), "had_grad": [False] * len(g.params)} for g in acc._groups]
     return inner, {

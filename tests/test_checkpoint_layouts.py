@@ -126,7 +126,7 @@ def test_a_plain_optimizer_checkpoint_is_refused_mid_window_and_changes_nothing(
     model, opt = _build()
     _train(model, opt, batches[: N + 1])
     before = _window(opt)
-    with pytest.raises(RuntimeError, match=r"plain optimizer state .* open window \(1 micro-batches\)"):
+    with pytest.raises(RuntimeError, match=r"plain optimizer state .* open window \(1 micro-batch\)"):
         opt.load_state_dict(opt.optimizer.state_dict())
     _assert_window(opt, before)
     _train(model, opt, batches[N + 1 :])
