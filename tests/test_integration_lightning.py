@@ -497,8 +497,73 @@ def test_a_window_lightning_abandons_is_not_merged_silently() -> None:
             return -1 if self.current_epoch == 0 and batch_idx == cases.CHECKPOINT_AFTER else None
 
     callback = GradAccumulation(weight=cases.tokens)
-    with pytest.raises(RuntimeError, match="new window at batch 0, but 1 micro-batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"new window at batch 0 \(accumulate_grad_batches=3\), but 1 micro-batch.*"
+        r"returned -1 in the middle of a window.*at a window's first batch only",
+    ):
         _quiet_trainer(callbacks=[callback], max_epochs=2).fit(Abandoning(0))
+
+
+class _StopInSecondWindow(pl.Callback):
+    """Stops the fit after the second window's first batch, as EarlyStopping does after a mid-epoch validation."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if args[-1] == cases.N:  # batch_idx
+            trainer.should_stop = True
+
+
+def test_a_fit_stopped_mid_window_resumes_from_its_epoch_end_checkpoint_without_that_window(tmp_path: Any) -> None:
+    """The checkpoint a fit stopped mid-window saves at its epoch's end holds the open window; Lightning resumes at
+    the next epoch's start, where its windows begin again, without those micro-batches. The callback drops them,
+    saying so (it refused, naming causes that had not happened), and the resumed epoch is the big batch's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _, TinyLM, _ = cases._lightning_classes()
+    saving = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    callbacks = [_StopInSecondWindow(), GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM), saving]
+    with pytest.warns(UserWarning, match=r"training ended with 1 micro-batch\(es\) in a window"):
+        _quiet_trainer(callbacks=callbacks, enable_checkpointing=True, max_epochs=2).fit(TinyLM(0))
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert checkpoint["optimizer_states"][0]["gafused"]["micro_step"] == 1
+    module = TinyLM(0)
+    callback = GradAccumulation(weight=cases.tokens, max_grad_norm=cases.MAX_NORM)
+    with pytest.warns(UserWarning, match=r"holds 1 micro-batch\(es\).*start of epoch 1.*they are dropped"):
+        _quiet_trainer(callbacks=[callback], max_epochs=2).fit(module, ckpt_path=str(tmp_path / "last.ckpt"))
+    windows = cases.epoch_windows()[:1] + cases.epoch_windows()
+    truth_params, initial, _ = cases.truth(1, windows=windows)
+    assert cases.error([p.detach() for p in module.model.parameters()], truth_params, initial) < FP32_ERROR
+    assert module.lrs == [cases.LR * cases.lr_factor(window) for window in range(1, len(windows))]
+
+
+def test_a_resume_inside_a_window_that_a_scheduler_of_n_does_not_cut_says_so(tmp_path: Any) -> None:
+    """Lightning applies a GradientAccumulationScheduler at an epoch's start only: resumed from a checkpoint taken
+    inside a window, it accumulates 1 batch per step until the epoch ends, so the window cannot be finished as it was
+    cut. Refused, naming the scheduler and the way out."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    _, TinyLM, Recorder = cases._lightning_classes()
+    path = str(tmp_path / "inside.ckpt")
+    first = GradAccumulation(weight=cases.tokens)
+    callbacks = [GradientAccumulationScheduler({0: cases.N}), Recorder(first, checkpoint=path), first]
+    with pytest.warns(UserWarning, match="training ended with 2 micro-batch"):
+        _quiet_trainer(callbacks=callbacks, accumulate_grad_batches=1).fit(TinyLM(0))
+    callbacks = [GradientAccumulationScheduler({0: cases.N}), GradAccumulation(weight=cases.tokens)]
+    with pytest.raises(RuntimeError, match=r"GradientAccumulationScheduler at an epoch's start only.*between windows"):
+        _quiet_trainer(callbacks=callbacks, accumulate_grad_batches=1).fit(TinyLM(0), ckpt_path=path)
+
+
+def test_a_training_step_that_takes_the_dataloader_iterator_is_refused() -> None:
+    """training_step(self, dataloader_iter): Lightning hands on_train_batch_start the batch before, so the callback
+    could tell neither where windows begin nor each batch's weight (it refused the second batch, naming causes that
+    had not happened). Refused when the fit starts."""
+    _, TinyLM, _ = cases._lightning_classes()
+
+    class Iterating(TinyLM):
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:
+            return super().training_step(next(dataloader_iter), 0)
+
+    _fit_refused(Iterating(0), RuntimeError, r"training_step takes dataloader_iter.*training_step\(self, batch")
 
 
 def test_a_freed_lightning_optimizer_wrapper_leaves_the_accumulator_alone() -> None:

@@ -54,9 +54,10 @@ import torch
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as error:  # pragma: no cover - exercised only without lightning
     raise ImportError(
         "gafused.integrations.lightning needs Lightning 2.x (import lightning.pytorch): "
@@ -214,6 +215,8 @@ class GradAccumulation(Callback):
         self._plugin: Precision | None = None  # the precision plugin whose backward is routed here during fit
         self._batch_weight: float | torch.Tensor | None = None
         self._loaded_windows: list[dict[str, Any] | None] | None = None
+        # Micro-batches of the open window a resumed fit started with, until its first batch starts.
+        self._resumed_open = 0
         self._process_group: Any = None  # DDP's, when the strategy is DDP
         self._world_size = 1
 
@@ -262,8 +265,13 @@ class GradAccumulation(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After Lightning restored the optimizers: give each rank its own open window from the checkpoint."""
         windows, self._loaded_windows = self._loaded_windows, None
-        if windows is None:
-            return
+        self._resumed_open = 0
+        if windows is not None:
+            self._load_windows(trainer, windows)
+        if trainer.ckpt_path is not None:
+            self._resumed_open = self._require_accumulator().micro_step
+
+    def _load_windows(self, trainer: pl.Trainer, windows: list[dict[str, Any] | None]) -> None:
         if len(windows) != trainer.world_size:
             raise ValueError(
                 f"GradAccumulation: the checkpoint holds an open window of {len(windows)} ranks; this run has "
@@ -313,15 +321,23 @@ class GradAccumulation(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         accumulator = self._require_accumulator()
+        resumed, self._resumed_open = self._resumed_open, 0
         if batch_idx % trainer.accumulate_grad_batches == 0 and accumulator.micro_step != 0:
-            # Lightning starts a window here (it zeroes p.grad on this batch), but gafused's is still open.
-            raise RuntimeError(
-                f"GradAccumulation: Lightning starts a new window at batch {batch_idx}, but {accumulator.micro_step} "
-                "micro-batch(es) of the previous one were never stepped (on_train_batch_start returned -1 in the "
-                "middle of a window, or the run resumed from a checkpoint saved during a batch, such as "
-                "OnExceptionCheckpoint's, after which Lightning's batches and windows no longer line up). Lightning "
-                "would drop their gradients; gafused does not drop them silently"
-            )
+            if resumed and batch_idx == 0:
+                # Lightning's windows end with their epoch: an epoch's first batch begins the resumed fit, so the
+                # checkpoint was taken at an epoch's end after a fit stopped mid-window (should_stop, as EarlyStopping
+                # sets it), and Lightning resumes without that window's micro-batches.
+                warnings.warn(
+                    f"GradAccumulation: the checkpoint holds {accumulator.micro_step} micro-batch(es) of a window "
+                    "Lightning did not step (the fit it was saved from stopped mid-window); Lightning resumes at the "
+                    f"start of epoch {trainer.current_epoch}, where its windows begin again, so they are dropped, as "
+                    "Lightning drops its own unstepped gradients",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                accumulator._discard_window()
+            else:
+                raise RuntimeError(self._misaligned(trainer, batch_idx, accumulator.micro_step, bool(resumed)))
         if self.weight is None:
             self._batch_weight = None
             return
@@ -332,6 +348,33 @@ class GradAccumulation(Callback):
                 "batch's weight, a non-negative number or 0-d tensor"
             )
         self._batch_weight = weight
+
+    @staticmethod
+    def _misaligned(trainer: pl.Trainer, batch_idx: int, open_micro: int, resumed: bool) -> str:
+        """The refusal of a batch where Lightning starts a window while gafused's is still open."""
+        said = (
+            f"GradAccumulation: Lightning starts a new window at batch {batch_idx} (accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}), but {open_micro} micro-batch(es) of the previous one were never "
+            "stepped"
+        )
+        if resumed and any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
+            return (
+                f"{said}: this fit resumed mid-epoch, from a checkpoint taken inside a window, and Lightning applies "
+                "a GradientAccumulationScheduler at an epoch's start only, so until this epoch ends it steps after "
+                f"every {trainer.accumulate_grad_batches} batch(es), not as the window was cut. Resume from a "
+                "checkpoint taken between windows (or at an epoch's end)"
+            )
+        if resumed:
+            return (
+                f"{said}: this fit resumed from a checkpoint saved during a batch (OnExceptionCheckpoint's, say), "
+                "after which Lightning's batches and windows no longer line up. Lightning would drop their gradients; "
+                "gafused does not drop them silently: resume from a checkpoint taken between windows"
+            )
+        return (
+            f"{said} (on_train_batch_start returned -1 in the middle of a window, ending the epoch there). Lightning "
+            "would drop their gradients; gafused does not drop them silently: return -1 at a window's first batch "
+            "only (batch_idx % accumulate_grad_batches == 0)"
+        )
 
     def _backward(
         self, loss: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
@@ -444,6 +487,13 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise RuntimeError(
             f"GradAccumulation needs Lightning's fit_loop._should_accumulate() (Lightning 2.x) to know its windows; "
             f"this Lightning ({pl.__version__}) has none"
+        )
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        raise RuntimeError(
+            f"GradAccumulation: {type(pl_module).__name__}.training_step takes dataloader_iter and fetches its batches "
+            "itself; Lightning then hands on_train_batch_start the batch before (or None), so the callback can tell "
+            "neither where windows begin nor each batch's weight. Take the batch: training_step(self, batch, "
+            "batch_idx)"
         )
     if not pl_module.automatic_optimization:
         raise RuntimeError(
