@@ -1933,9 +1933,10 @@ class GradAccumulator(torch.optim.Optimizer):
         since that step (autograd added into it in place), or it is a new tensor with a graph (under
         ``create_graph=True`` autograd adds out of place, and the sum cannot be told from a gradient made after the
         swap), or it is still the view object but in new memory (``model.to()`` swaps a ``p.grad`` too: a conversion
-        that ends where it began, ``model.half().float()``, moves it off the buffer), unless ``before_backward``:
-        ``backward()`` asks before autograd runs, so nothing was added into it yet and it is released as the
-        finished gradient it is.
+        that ends where it began, ``model.half().float()``, moves it off the buffer) written since the conversion made
+        it. Such a moved view that nobody wrote (a parameter this micro-batch did not use, or any of them when
+        ``before_backward``: ``backward()`` asks before autograd runs) is the finished gradient it was, released as
+        one.
         """
         # The tensor's address alone could miss a second swap that reused a freed tensor's address; the mark alone,
         # a swap whose new tensor was given the old one's __dict__.
@@ -1958,7 +1959,8 @@ class GradAccumulator(torch.optim.Optimizer):
                 # Added into in place, or out of place (a new p.grad with a graph) under create_graph=True; a new
                 # p.grad without one is a gradient of its own (the swap dropped the finished one, as load_state_dict).
                 if grad is view and not _in_memory_of(grad, source):
-                    if not before_backward:
+                    # A conversion makes the new memory with a version of 0; autograd adding into it raises that.
+                    if not before_backward and getattr(grad, "_local_tensor", grad)._version != 0:
                         moved_views.append(group.names[index])
                 elif grad is view and written:
                     held_views.append(group.names[index])

@@ -1681,6 +1681,33 @@ def test_a_conversion_there_and_back_moves_the_finished_gradient_off_the_buffer(
     _assert_same_params(model, reference, 1e-12)
 
 
+def test_a_moved_finished_gradient_nobody_wrote_is_released_as_finished(swap_on_conversion):
+    """A layer converted there and back between windows (float().double()), the step-time loop without zero_grad():
+    the next micro-batch does not use it, so its p.grad hold the moved finished gradients unwritten (the conversion's
+    new memory, version 0): released as the finished gradients they are, not refused; the window is the big
+    batch's."""
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(5, 3).double(), torch.nn.Linear(5, 3).double()
+    model = torch.nn.ModuleList([used, unused])
+    reference = copy.deepcopy(model)
+    opt = GradAccumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for network, optimizer in ((model, opt), (reference, reference_opt)):
+        (network[0](x) + network[1](x)).square().sum().backward()
+        optimizer.step()  # no zero_grad(): the accumulator's p.grad are the finished gradients' views
+        network[1].float().double()
+    assert all(p.grad is not None for p in unused.parameters())
+    reference_opt.zero_grad()
+    for network in (model, reference):
+        network[0](x).square().mean().backward()
+    opt.step()
+    reference_opt.step()
+    assert opt.stepped and all(p.grad is None for p in unused.parameters())
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-15, atol=0)
+
+
 def test_the_swap_refusal_names_every_view_that_may_have_been_added_into(swap_on_conversion):
     """A finished gradient's views share their buffer's version counter: after a swap and a backward through one layer
     of two, which view autograd added into cannot be told, so every swapped parameter still holding its view is
