@@ -497,11 +497,12 @@ def _cpu_float64_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     bits as a norm in float64 converting its input itself, which makes a new temporary per piece: one as large as
     ``SCRATCH_ELEMENTS`` and up often comes fresh from the OS, whose pages are then touched for the first time, while
     the scratch's are touched once per call)."""
-    large = [index for index, piece in enumerate(pieces) if piece.numel() >= SCRATCH_ELEMENTS]
+    small, large = [], []
+    for index, piece in enumerate(pieces):
+        (large if piece.numel() >= SCRATCH_ELEMENTS else small).append(index)
     if not large:
         return list(torch._foreach_norm(pieces, 2, dtype=torch.float64))
     norms: list[torch.Tensor | None] = [None] * len(pieces)
-    small = [index for index, piece in enumerate(pieces) if piece.numel() < SCRATCH_ELEMENTS]
     if small:
         small_norms = torch._foreach_norm([pieces[i] for i in small], 2, dtype=torch.float64)
         for index, norm in zip(small, small_norms, strict=True):
