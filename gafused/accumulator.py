@@ -1960,7 +1960,7 @@ class GradAccumulator(torch.optim.Optimizer):
                 # p.grad without one is a gradient of its own (the swap dropped the finished one, as load_state_dict).
                 if grad is view and not _in_memory_of(grad, source):
                     # A conversion makes the new memory with a version of 0; autograd adding into it raises that.
-                    if not before_backward and getattr(grad, "_local_tensor", grad)._version != 0:
+                    if not before_backward and _grad_version(grad) != 0:
                         moved_views.append(group.names[index])
                 elif grad is view and written:
                     held_views.append(group.names[index])

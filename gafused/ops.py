@@ -36,6 +36,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -103,11 +104,22 @@ def _load(name: str) -> ModuleType | None:
     return module
 
 
-def backend_unavailable_reason(name: str, device: torch.device | str) -> str | None:
+def _device_arg(caller: str, device: Any, expected: str = "a torch.device, a str or an index") -> torch.device:
+    """``device`` as a torch.device (an index is a CUDA device's, as in torch.cuda); TypeError or ValueError naming
+    ``caller`` when it is none."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"{caller}(): device must be {expected}, got {type(device).__name__}")
+    try:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{caller}(): device {device!r} names no device here: {error}") from None
+
+
+def backend_unavailable_reason(name: str, device: torch.device | str | int) -> str | None:
     """Why backend ``name`` cannot run on ``device`` (None when it can)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {name!r}")
-    device = torch.device(device)
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    device = _device_arg("backend_unavailable_reason", device)
     module = _load(name)
     if module is None:
         return f"gafused backend {name!r} failed to import: {_import_errors[name]}"
@@ -120,20 +132,13 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     CUDA device where torch sees none. (The ops themselves still take CUDA tensors there under FakeTensorMode.)"""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(
-            f"available_backends(): device must be a torch.device, a str, an index or None, got {type(device).__name__}"
-        )
-    try:
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # as torch.cuda's
-    except RuntimeError as error:
-        raise ValueError(f"available_backends(): device {device!r} names no device here: {error}") from None
+    device = _device_arg("available_backends", device, "a torch.device, a str, an index or None")
     if device.type == "cuda" and not torch.cuda.is_available():
         return []
     return [name for name in BACKENDS if backend_unavailable_reason(name, device) is None]
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
+def resolve_backend(backend: str, device: torch.device | str | int) -> str:
     """Turn ``backend`` (``"auto"`` or a name) into the backend that will run on ``device``.
 
     ``"auto"`` takes ``$GAFUSED_BACKEND`` when set; otherwise it picks cuda, then triton, then foreach for GPU
@@ -142,9 +147,11 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
     Args:
         backend: ``"auto"`` or a name from ``BACKENDS``.
-        device: the device of the buffer the ops will run on.
+        device: the device of the buffer the ops will run on (an index is a CUDA device's).
     """
-    device = torch.device(device)
+    device = _device_arg("resolve_backend", device)
+    if not isinstance(backend, str) or backend not in ("auto", *BACKENDS):
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
     if backend == "auto":
         forced = os.environ.get(ENV_BACKEND, "").strip()
         if forced:

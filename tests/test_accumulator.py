@@ -942,6 +942,31 @@ def test_available_backends_names_a_bad_device(device, error, message):
         gafused.available_backends(device)
 
 
+@pytest.mark.parametrize("caller", ["resolve_backend", "backend_unavailable_reason"])
+@pytest.mark.parametrize(
+    "device, error, message",
+    [
+        ("xyz", ValueError, r"\(\): device 'xyz' names no device here"),
+        (None, TypeError, r"\(\): device must be a torch.device, a str or an index, got NoneType"),
+        (True, TypeError, r"\(\): device must be .* got bool"),
+        (2.0, TypeError, r"\(\): device must be .* got float"),
+    ],
+)
+def test_the_backend_queries_name_a_bad_device(caller, device, error, message):
+    """ops.resolve_backend and ops.backend_unavailable_reason check their device as available_backends does (an
+    index is a CUDA device's there too)."""
+    with pytest.raises(error, match=re.escape(caller) + message):
+        getattr(ops, caller)("foreach", device)
+    assert ops.backend_unavailable_reason("reference", 0) == ops.backend_unavailable_reason("reference", "cuda:0")
+    assert ops.resolve_backend("reference", 0) == "reference"
+
+
+@pytest.mark.parametrize("name", ["auto", "Foreach", None, ["foreach"]])
+def test_backend_unavailable_reason_takes_a_backend_name_only(name):
+    with pytest.raises(ValueError, match=r"backend must be one of \('reference', 'foreach', 'triton', 'cuda'\), got"):
+        ops.backend_unavailable_reason(name, "cpu")
+
+
 @pytest.mark.parametrize("check", ["no", 0, None])
 @pytest.mark.parametrize("op", ["fold_", "fold_finish_"])
 def test_the_ops_check_flag_must_be_a_bool(op, check):
