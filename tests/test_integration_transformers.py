@@ -896,6 +896,24 @@ def test_clipping_configured_in_the_accumulator_options(tmp_path: Path) -> None:
     assert (apart / moved) ** 0.5 < FP32_ERROR
 
 
+def test_a_float64_model_logs_the_float64_norm(tmp_path: Path) -> None:
+    """A float64 model's window norm is float64 (as clip_grad_norm_ gives it to plain Trainer); the log holds it
+    unrounded, each window's equal to the float64 norm of the accumulator's finished gradient."""
+    norms = []
+
+    class _Norms(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            norms.append(trainer.accumulator.grad_norm.item())
+
+    trainer = _trainer(tmp_path, model=cases.make_model().double(), max_grad_norm=0.0, max_steps=2)
+    trainer.add_callback(_Norms())
+    trainer.train()
+    assert trainer.accumulator.grad_norm.dtype == torch.float64
+    logged = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(norms) == 2 and logged == norms
+    assert any(norm != float(torch.tensor(norm, dtype=torch.float32)) for norm in norms)  # float32 would round them
+
+
 def test_an_infinite_max_grad_norm_logs_the_norm_and_never_clips(tmp_path: Path) -> None:
     """TrainingArguments(max_grad_norm=inf), Trainer's way to log the norm without clipping, trains as max_grad_norm=0
     (bitwise) and logs every window's norm; it was refused when training started (the accumulator's must be finite)."""

@@ -459,7 +459,10 @@ class GafusedTrainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor:
         # Known only once optimizer.step() finishes the window: filled in by _AroundOptimizerStep, before Trainer logs.
-        self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.args.device)
+        # In the accumulator's norm dtype (float64 where a buffer accumulates in float64), as clip_grad_norm_ gives it.
+        buffers = [] if self.accumulator is None else self.accumulator.buffers
+        dtype = torch.float64 if any(buffer.accum_dtype == torch.float64 for buffer in buffers) else torch.float32
+        self._norm = torch.full((), float("nan"), dtype=dtype, device=self.args.device)
         return self._norm
 
 
