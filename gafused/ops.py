@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 BACKENDS = ("reference", "foreach", "triton", "cuda")
+_BACKEND_CHOICES = ("auto", *BACKENDS)
 ENV_BACKEND = "GAFUSED_BACKEND"
 
 INSTALL_HINTS = {
@@ -107,6 +108,8 @@ def _load(name: str) -> ModuleType | None:
 def _device_arg(caller: str, device: Any, expected: str = "a torch.device, a str or an index") -> torch.device:
     """``device`` as a torch.device (an index is a CUDA device's, as in torch.cuda); TypeError or ValueError naming
     ``caller`` when it is none."""
+    if type(device) is torch.device:  # the ops' own calls: no check to make
+        return device
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"{caller}(): device must be {expected}, got {type(device).__name__}")
     try:
@@ -150,8 +153,8 @@ def resolve_backend(backend: str, device: torch.device | str | int) -> str:
         device: the device of the buffer the ops will run on (an index is a CUDA device's).
     """
     device = _device_arg("resolve_backend", device)
-    if not isinstance(backend, str) or backend not in ("auto", *BACKENDS):
-        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    if not isinstance(backend, str) or backend not in _BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {_BACKEND_CHOICES}, got {backend!r}")
     if backend == "auto":
         forced = os.environ.get(ENV_BACKEND, "").strip()
         if forced:
