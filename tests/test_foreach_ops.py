@@ -6,6 +6,7 @@ buffer alive."""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -563,3 +564,48 @@ def test_large_pieces_are_measured_through_one_float64_scratch_with_the_same_bit
     else:
         assert torch.equal(squares, norms.square().sum().to(torch.float32))
         torch.testing.assert_close(squares.double(), exact.sum(), rtol=1e-7, atol=0)
+
+
+def test_cpu_float64_norms_of_pieces_in_any_order_are_each_pieces_own_norm():
+    """Pieces below, at and above SCRATCH_ELEMENTS, empty ones, a first large piece shorter than a later one and
+    shorter large pieces after longer ones (the scratch must fit the longest and each norm see only its piece), inf
+    and nan in a large piece: each norm is, bit for bit and in order, the float64 norm of its piece alone."""
+    scratch = foreach_backend.SCRATCH_ELEMENTS
+    sizes = [scratch - 1, scratch, 0, 5, 3 * scratch, scratch + 1, 1, 0, scratch, 2 * scratch + 5, 4]
+    flat = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(22))
+    pieces = list(flat.split(sizes))
+    # [1, s, s, s, s]: a float32 norm loses every s**2 to 1, a float64 one does not.
+    pieces[3].copy_(torch.tensor([1.0, 2e-4, 2e-4, 2e-4, 2e-4]))
+    pieces[9][100], pieces[9][-1] = math.inf, math.nan
+    pieces[8][7] = -math.inf
+    norms = foreach_backend._cpu_float64_norms(pieces)
+    expected = [torch.linalg.vector_norm(piece.double()) for piece in pieces]
+    assert len(norms) == len(expected)
+    for norm, exact in zip(norms, expected, strict=True):
+        torch.testing.assert_close(norm, exact, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("per_segment", [False, True], ids=["total", "per_segment"])
+def test_sums_of_squares_of_large_pieces_at_the_real_threshold_are_the_pieces_own(per_segment):
+    """With the real SCRATCH_ELEMENTS and chunk sizes: segments (per segment) or run pieces (total) of 16383 to
+    6 * 16384 elements, a large one after a longer one, the first large one not the longest, a small segment whose
+    float32 norm would round: the same bits as norming each piece alone in float64."""
+    scratch = foreach_backend.SCRATCH_ELEMENTS
+    shapes = [(scratch,), (6 * scratch,), (5,), (scratch + 1,), (scratch - 1,)]
+    buffer = FlatGradBuffer([torch.empty(shape) for shape in shapes])
+    buffer.data.copy_(torch.randn(buffer.numel, generator=torch.Generator().manual_seed(23)))
+    buffer.segment(2).copy_(torch.tensor([1.0, 2e-4, 2e-4, 2e-4, 2e-4]))
+    layout = (buffer.data, buffer.offsets, buffer.numels)
+    views = foreach_backend._views(*layout)
+    if per_segment:
+        pieces = views.flat
+    else:
+        pieces = views.run_pieces(foreach_backend._end_piece_elements(views, buffer.data, 8))
+    sizes = [piece.numel() for piece in pieces]
+    large = [size for size in sizes if size >= scratch]
+    # A small piece, and a large piece after a longer one (per segment, the first large one is not the longest).
+    assert min(sizes) < scratch and large[-1] < max(large)
+    assert large[0] < max(large) or not per_segment
+    squares = torch.stack([torch.linalg.vector_norm(piece.double()) for piece in pieces]).square()
+    expected = squares if per_segment else squares.sum()
+    assert torch.equal(foreach_backend.sum_of_squares(*layout, per_segment=per_segment), expected.to(torch.float32))
