@@ -1757,9 +1757,16 @@ class GradAccumulator(torch.optim.Optimizer):
             self._pending[key] = self._sync.start_bucket(self._groups[group_index].buffer.buckets[bucket_index])
 
     def _drop_reductions(self) -> None:
-        """Wait for reductions in flight (they write into the buffers), then forget them."""
-        for (group_index, bucket_index), pending in self._pending.items():
-            self._sync.wait_bucket(self._groups[group_index].buffer.buckets[bucket_index], pending)
+        """Wait for reductions in flight (they write into the buffers), then forget them. One that failed (a
+        collective error or timeout, which its ``wait()`` raises again at every call) is over and dropped too, so
+        that discarding a window, or loading a checkpoint, after a failed collective does not fail on it again."""
+        for key, pending in list(self._pending.items()):
+            group_index, bucket_index = key
+            try:
+                self._sync.wait_bucket(self._groups[group_index].buffer.buckets[bucket_index], pending)
+            except Exception:  # noqa: BLE001 - failed: nothing more will be written; its values are dropped
+                pass
+            del self._pending[key]
         self._pending.clear()
         self._ready.clear()
         self._late.clear()
